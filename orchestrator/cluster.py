@@ -1,0 +1,102 @@
+"""Connect to Ray, or start the embedded local instance; what the cluster has."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+_lock = threading.Lock()
+_embedded = False
+
+
+@dataclass(frozen=True)
+class Node:
+    """A live node as Ray reports it."""
+
+    node_id: str
+    ip: str
+    resources: dict[str, float]
+
+
+def connect(address: str | None, *, min_cpus: float = 0) -> bool:
+    """Make sure this process is connected to Ray; return True on the embedded instance.
+
+    Order: an initialized Ray; `address`; RAY_ADDRESS; a live local cluster started
+    with `ray start`; else a fresh local instance with at least `min_cpus` CPUs.
+    """
+    global _embedded  # noqa: PLW0603 - one Ray connection per process
+    with _lock:
+        if ray.is_initialized():
+            return _embedded
+        target = address or os.environ.get("RAY_ADDRESS")
+        if target:
+            ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
+            return False
+        live, stale = _local_cluster()
+        if live:
+            ray.init(address=live, logging_level=logging.WARNING, log_to_driver=False)
+            return False
+        if stale:
+            _say(f"the Ray cluster recorded in {stale} is gone; starting a fresh local one")
+        _start_local(min_cpus)
+        _embedded = True
+        return True
+
+
+def nodes() -> list[Node]:
+    """The cluster's live nodes."""
+    return [
+        Node(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
+_LOCAL_SLOTS = 64
+"""Logical CPUs of the embedded instance: slots for ranks, not cores (torchrun has no limit)."""
+
+
+def _start_local(min_cpus: float) -> None:
+    cpus = max(_LOCAL_SLOTS, int(min_cpus + 0.999))
+    # Ray's banner and token notice are noise to a user who did not ask for Ray.
+    quiet = logging.getLogger("ray")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=False,
+            logging_level=logging.ERROR,
+            log_to_driver=False,  # ranks' output comes through our own capture
+        )
+    finally:
+        quiet.setLevel(level)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    _say(f"running locally on an embedded Ray instance ({os.cpu_count()} cores, {gpus} GPUs)")
+
+
+def _local_cluster() -> tuple[str | None, Path | None]:
+    """(address of a live `ray start` cluster on this machine, path of a stale record)."""
+    tmp = Path(os.environ.get("RAY_TMPDIR", "/tmp"))  # noqa: S108 - where Ray writes it / "ray" / "ray_current_cluster"
+    try:
+        address = tmp.read_text().strip()
+    except OSError:
+        return None, None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return address, None
+    except (OSError, ValueError):
+        return None, tmp
+
+
+def _say(message: str) -> None:
+    print(f"[orchestrator] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,238 @@
+"""`distribute()` and the distributed function it returns."""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import ray
+
+from orchestrator import cluster, job, placement, shipping
+from orchestrator.errors import ConfigError
+from orchestrator.pool import Pool
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a distributed function is laid out and started."""
+
+    num_replicas: int
+    replicas_per_node: int | None = None
+    """None: as many as a node has GPUs; on a CPU-only cluster, all on one node."""
+    gpus_per_replica: float | None = None
+    """None: 1 when the cluster has GPUs, else 0."""
+    cpus_per_replica: float = 1
+    resources_per_replica: Mapping[str, float] = field(default_factory=dict)
+    name: str = "job"
+    env: Mapping[str, str] = field(default_factory=dict)
+    address: str | None = None
+    runtime_env: Mapping[str, Any] | None = None
+
+
+class _PoolHolder:
+    """Owns the pool apart from the function object, so a finalizer can release it."""
+
+    def __init__(self) -> None:
+        self.pool: Pool | None = None
+
+    def release(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None and ray.is_initialized():
+            pool.shutdown()
+
+
+class DistributedFunction(Generic[P, R]):
+    """`fn` run on every rank at once; calling it returns the ranks' results in rank order."""
+
+    def __init__(self, fn: Callable[P, R], options: Options) -> None:
+        """Wrap `fn`; use `distribute()` rather than this constructor."""
+        self.fn = fn
+        self.options = options
+        self._lock = threading.Lock()
+        self._holder = _PoolHolder()
+        weakref.finalize(self, self._holder.release)
+
+    @property
+    def name(self) -> str:
+        """The job name used in log prefixes and actor names."""
+        return self.options.name
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """Run `fn(*args, **kwargs)` on every rank; return each rank's result, by rank."""
+        data = shipping.payload(self.fn, args, kwargs)
+        with self._lock:  # a second caller waits for the pool to be free
+            pool = self._holder.pool or self._start()
+            try:
+                return job.run(pool, data)
+            except BaseException:
+                # Ranks may be stuck in a collective: replace the whole pool next time.
+                self._holder.release()
+                raise
+
+    def pids(self) -> list[int]:
+        """Process ids of the warm pool's ranks, by rank (empty before the first call)."""
+        pool = self._holder.pool
+        return pool.pids() if pool else []
+
+    def shutdown(self) -> None:
+        """Stop every rank's actor and release the cluster's resources."""
+        with self._lock:
+            self._holder.release()
+
+    def __enter__(self) -> DistributedFunction[P, R]:
+        """Use as a context manager: resources are released on exit."""
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Release everything."""
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        """E.g. <DistributedFunction train x4 (2 per node)>."""
+        per_node = self.options.replicas_per_node
+        layout = f" ({per_node} per node)" if per_node else ""
+        return f"<DistributedFunction {self.name} x{self.options.num_replicas}{layout}>"
+
+    def _start(self) -> Pool:
+        opts = self.options
+        cpus_needed = opts.num_replicas * opts.cpus_per_replica
+        embedded = cluster.connect(opts.address, min_cpus=cpus_needed)
+        nodes = cluster.nodes()
+        simulate = embedded or len(nodes) == 1
+        gpus = opts.gpus_per_replica
+        if gpus is None:
+            gpus = 1.0 if any(n.resources.get("GPU", 0) for n in nodes) else 0.0
+        per_node = opts.replicas_per_node or placement.default_replicas_per_node(
+            opts.num_replicas, gpus, [n.resources for n in nodes]
+        )
+        request = placement.Request(
+            num_replicas=opts.num_replicas,
+            replicas_per_node=per_node,
+            cpus_per_replica=opts.cpus_per_replica,
+            gpus_per_replica=gpus,
+            resources_per_replica=dict(opts.resources_per_replica),
+        )
+        placement.check_feasible(request, [(n.ip, n.resources) for n in nodes], one_node=simulate)
+        env = dict(opts.env)
+        runtime_vars = (opts.runtime_env or {}).get("env_vars") or {}
+        if "OMP_NUM_THREADS" in runtime_vars:  # the user's choice wins over our default
+            env.setdefault("OMP_NUM_THREADS", str(runtime_vars["OMP_NUM_THREADS"]))
+        pool = Pool(
+            opts.name, request, simulate_nodes=simulate, env=env, runtime_env=opts.runtime_env
+        )
+        self._holder.pool = pool
+        return pool
+
+
+def distribute(
+    fn: Callable[P, R],
+    *,
+    num_replicas: int,
+    replicas_per_node: int | None = None,
+    gpus_per_replica: float | None = None,
+    cpus_per_replica: float = 1,
+    resources_per_replica: Mapping[str, float] | None = None,
+    name: str | None = None,
+    env: Mapping[str, str] | None = None,
+    address: str | None = None,
+    runtime_env: Mapping[str, Any] | None = None,
+) -> DistributedFunction[P, R]:
+    """Make `fn` a function that runs on `num_replicas` ranks of a torch.distributed job.
+
+    Nothing starts until the first call; the ranks' actors then stay warm for the
+    next call until `.shutdown()`, the end of a `with` block, or interpreter exit.
+    """
+    options = Options(
+        num_replicas=num_replicas,
+        replicas_per_node=replicas_per_node,
+        gpus_per_replica=gpus_per_replica,
+        cpus_per_replica=cpus_per_replica,
+        resources_per_replica=dict(resources_per_replica or {}),
+        name=name if name is not None else _default_name(fn),
+        env=dict(env or {}),
+        address=address,
+        runtime_env=runtime_env,
+    )
+    problems = validate(fn, options)
+    if problems:
+        raise ConfigError("invalid arguments to distribute():\n  " + "\n  ".join(problems))
+    shipping.check(fn)
+    return DistributedFunction(fn, options)
+
+
+def validate(fn: object, o: Options) -> list[str]:  # noqa: PLR0912 - one check per option
+    """Every problem with `fn` and `o`, each naming the bad value and what is valid."""
+    problems = []
+    if not callable(fn):
+        problems.append(f"fn={fn!r} is not callable; pass the function each rank runs")
+    if not _is_int(o.num_replicas) or o.num_replicas < 1:
+        problems.append(f"num_replicas={o.num_replicas!r}: must be an int >= 1")
+    per_node = o.replicas_per_node
+    if per_node is not None:
+        if not _is_int(per_node) or per_node < 1:
+            problems.append(f"replicas_per_node={per_node!r}: must be an int >= 1, or None")
+        elif _is_int(o.num_replicas) and o.num_replicas >= 1 and o.num_replicas % per_node:
+            divisors = [d for d in range(1, o.num_replicas + 1) if o.num_replicas % d == 0]
+            problems.append(
+                f"replicas_per_node={per_node} does not divide num_replicas="
+                f"{o.num_replicas}; valid: {', '.join(map(str, divisors))}"
+            )
+    for label, value in (
+        ("cpus_per_replica", o.cpus_per_replica),
+        ("gpus_per_replica", o.gpus_per_replica),
+    ):
+        if value is not None and (not _is_number(value) or value < 0):
+            problems.append(f"{label}={value!r}: must be a number >= 0")
+    for key, value in o.resources_per_replica.items():
+        if key in ("CPU", "GPU"):
+            problems.append(f"resources_per_replica[{key!r}]: use {key.lower()}s_per_replica")
+        elif not isinstance(key, str) or not _is_number(value) or value < 0:
+            problems.append(
+                f"resources_per_replica[{key!r}]={value!r}: must map str to a number >= 0"
+            )
+    if not isinstance(o.name, str) or not _NAME.match(o.name):
+        problems.append(
+            f"name={o.name!r}: must be 1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    for key, value in o.env.items():
+        if not isinstance(key, str) or not isinstance(value, str) or not key or "=" in key:
+            problems.append(
+                f"env[{key!r}]={value!r}: names and values must be strings, names without '='"
+            )
+    if o.address is not None and not isinstance(o.address, str):
+        problems.append(
+            f"address={o.address!r}: must be a string such as 'ray://host:10001' or 'host:6379'"
+        )
+    if o.runtime_env is not None and not isinstance(o.runtime_env, Mapping):
+        problems.append(f"runtime_env={o.runtime_env!r}: must be a dict, as for ray.init")
+    return problems
+
+
+def _default_name(fn: object) -> str:
+    raw = getattr(fn, "__name__", "job")
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", str(raw)).strip("_.-")[:64]
+    return cleaned or "job"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -1,0 +1,132 @@
+"""The exception tree, and how a failed call's report is put together.
+
+OrchestratorError
+ ├── ConfigError (also ValueError)   a bad argument, raised before anything starts
+ ├── PlacementError                  the cluster can never hold the request
+ └── DistributedError                a call failed on one or more ranks; its class
+                                     also derives from the root cause's type, so
+                                     `except ValueError:` catches a rank's ValueError
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import cloudpickle
+
+from workers.protocol import RankFailure
+
+CRASH = "crash"
+"""`RankFailure.exc_type` of a rank whose process died."""
+
+# Errors a rank gets because a peer died or left, never the reason the job failed.
+_SECONDARY = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"NCCL communicator was aborted|Socket Timeout|connectFullMesh failed|"
+    r"killed because a peer failed",
+    re.IGNORECASE,
+)
+
+
+class OrchestratorError(Exception):
+    """Base of every error this package raises."""
+
+
+class ConfigError(OrchestratorError, ValueError):
+    """A bad argument: names the value and what would be valid."""
+
+
+class PlacementError(OrchestratorError):
+    """The cluster as it stands can never hold the request."""
+
+
+class DistributedError(OrchestratorError):
+    """A call failed: the root cause first, then every other failed rank."""
+
+    root_cause: RankFailure
+    failures: list[RankFailure]
+
+    def __str__(self) -> str:
+        """The full report (the message is built from the failure records)."""
+        return format_report(self.root_cause, self.failures)
+
+
+def is_secondary(failure: RankFailure) -> bool:
+    """Whether `failure` looks like a consequence of another rank's failure."""
+    return bool(_SECONDARY.search(failure.message)) or "TimeoutError" in failure.exc_type
+
+
+def order_failures(failures: Sequence[RankFailure]) -> list[RankFailure]:
+    """Failures by time, the root cause first: the earliest that is not secondary."""
+    by_time = sorted(failures, key=lambda f: f.time)
+    primary = [f for f in by_time if not is_secondary(f)]
+    root = primary[0] if primary else by_time[0]
+    return [root] + [f for f in by_time if f is not root]
+
+
+def describe(failure: RankFailure) -> str:
+    """One line naming the rank, where it ran and what happened."""
+    where = (
+        f"rank {failure.rank} (local rank {failure.local_rank}) on {failure.node_ip} "
+        f"(host {failure.hostname}, pid {failure.pid})"
+    )
+    if failure.exc_type == CRASH:
+        return f"{where} crashed: {failure.message}"
+    name = failure.exc_type.removeprefix("builtins.")
+    return f"{where} raised {name}: {failure.message}"
+
+
+def format_report(root: RankFailure, failures: Sequence[RankFailure]) -> str:
+    """The message of a DistributedError: root cause with traceback, then the others."""
+    lines = [f"{describe(root)}", "", root.traceback.rstrip()]
+    others = [f for f in failures if f is not root]
+    if others:
+        lines += ["", f"{len(others)} other rank(s) failed after it:"]
+        lines += [f"  {describe(f)}" for f in others]
+    return "\n".join(lines)
+
+
+def distributed_error(failures: Sequence[RankFailure]) -> DistributedError:
+    """A DistributedError for `failures`, also an instance of the root cause's type."""
+    ordered = order_failures(failures)
+    root = ordered[0]
+    cls = _error_class(_load_exception(root))
+    try:
+        error = cls.__new__(cls)
+        Exception.__init__(error, describe(root))
+    except Exception:  # noqa: BLE001 - a type with an unusual constructor: plain error
+        error = DistributedError.__new__(DistributedError)
+        Exception.__init__(error, describe(root))
+    error.root_cause = root
+    error.failures = ordered
+    return error
+
+
+def _load_exception(failure: RankFailure) -> BaseException | None:
+    if failure.exception is None:
+        return None
+    try:
+        loaded = cloudpickle.loads(failure.exception)
+    except Exception:  # noqa: BLE001 - its type is not importable here
+        return None
+    return loaded if isinstance(loaded, BaseException) else None
+
+
+_classes: dict[type, type[DistributedError]] = {}
+
+
+def _error_class(exc: BaseException | None) -> type[DistributedError]:
+    base = type(exc) if exc is not None else None
+    if base is None or not issubclass(base, Exception) or issubclass(base, OrchestratorError):
+        return DistributedError
+    if base not in _classes:
+        try:
+            _classes[base] = type(
+                f"DistributedError[{base.__name__}]",
+                (DistributedError, base),
+                {"__module__": __name__, "__str__": DistributedError.__str__},
+            )
+        except TypeError:  # final or layout-conflicting types cannot be mixed in
+            return DistributedError
+    return _classes[base]

@@ -1,0 +1,102 @@
+"""One call in flight: start every rank at once, watch them all, stream output, collect."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from orchestrator.errors import CRASH, distributed_error
+from orchestrator.pool import Pool
+from workers.protocol import RankFailure, RankResult
+
+_GATHER_S = 0.3
+"""After the first failure, how long to keep listening for the others' (for the report)."""
+_DRAIN_POLL_S = 30.0
+"""How long one output request waits on an idle rank before returning empty."""
+
+
+def run(pool: Pool, payload: bytes) -> list[Any]:
+    """Run the shipped function on every rank of `pool`; results by rank.
+
+    Ranks are watched as they complete, not in rank order. On the first failure the
+    caller must tear the pool down (the other ranks may be blocked in a collective
+    forever): a DistributedError is raised after a short wait for the others' reports.
+    """
+    ref = ray.put(payload)  # once, whatever the number of ranks
+    specs = pool.specs_for_call()
+    runs = {
+        actor.run.remote(spec, ref): spec.rank
+        for actor, spec in zip(pool.actors, specs, strict=True)
+    }
+    console = pool.console
+    owed: dict[int, int] = {}  # rank -> output seq still to show before it counts as done
+    results: dict[int, Any] = {}
+    failures: list[RankFailure] = []
+    deadline: float | None = None
+    while runs or any(console.printed[r] < seq for r, seq in owed.items() if r in pool.drains):
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            break
+        for rank, actor in enumerate(pool.actors):
+            if rank not in pool.drains and rank not in pool.dead:
+                pool.drains[rank] = actor.drain.remote(_DRAIN_POLL_S)
+        draining = {ref: rank for rank, ref in pool.drains.items()}
+        timeout = None if deadline is None else deadline - now
+        done, _ = ray.wait([*runs, *draining], num_returns=1, timeout=timeout)
+        for ready in done:
+            if ready in runs:
+                outcome = _outcome(pool, runs.pop(ready), ready)
+                owed[outcome.rank] = outcome.output_seq
+                if isinstance(outcome, RankFailure):
+                    failures.append(outcome)
+                    deadline = deadline or time.monotonic() + _GATHER_S
+                else:
+                    results[outcome.rank] = outcome.value
+                    if outcome.next_master_port is not None:
+                        pool.next_port = outcome.next_master_port
+            else:
+                _show(pool, draining[ready], ready)
+    console.flush()
+    if failures:
+        raise distributed_error(failures)
+    return [results[rank] for rank in range(len(specs))]
+
+
+def _show(pool: Pool, rank: int, ref: ray.ObjectRef) -> None:
+    del pool.drains[rank]
+    try:
+        chunks = ray.get(ref)
+    except RayActorError:
+        pool.dead.add(rank)
+        return
+    pool.console.write(rank, chunks)
+
+
+def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFailure:
+    try:
+        return ray.get(ref)
+    except RayActorError as exc:
+        pool.dead.add(rank)
+        info = pool.infos[rank]
+        return RankFailure(
+            rank=rank,
+            local_rank=pool.specs[rank].local_rank,
+            node_ip=info.node_ip,
+            hostname=info.hostname,
+            pid=info.pid,
+            time=time.time(),
+            exc_type=CRASH,
+            message=_crash_reason(exc),
+            traceback="",
+        )
+
+
+def _crash_reason(exc: RayActorError) -> str:
+    for line in str(exc).splitlines():
+        lowered = line.lower()
+        if "exit" in lowered or "signal" in lowered or "killed" in lowered:
+            return f"its process died ({line.strip()})"
+    return "its process died"

@@ -1,0 +1,138 @@
+"""The warm pool: one placement group and one actor per rank, kept between calls."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator import placement
+from orchestrator.logs import Console
+from orchestrator.placement import Request
+from workers.actor import CONCURRENCY_GROUPS, RankActor
+from workers.environment import order_devices
+from workers.protocol import NodeInfo, RankSpec
+
+_RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)
+_WAIT_NOTICE_S = 5.0
+
+
+class Pool:
+    """The actors of one distributed function, laid out by node."""
+
+    def __init__(
+        self,
+        name: str,
+        request: Request,
+        *,
+        simulate_nodes: bool,
+        env: Mapping[str, str],
+        runtime_env: Mapping[str, Any] | None,
+    ) -> None:
+        """Reserve one bundle per node, start one actor per rank and learn where they are."""
+        self.name = name
+        self.request = request
+        self.actors: list[Any] = []
+        self.console = Console(name, request.num_replicas)
+        self.drains: dict[int, ray.ObjectRef] = {}
+        """Per rank, the output request in flight (kept across calls)."""
+        self.dead: set[int] = set()
+        self.pg = placement_group(
+            [request.bundle()] * request.num_nodes,
+            strategy="PACK" if simulate_nodes else "STRICT_SPREAD",
+            name=f"{name}-{uuid.uuid4().hex[:8]}",
+        )
+        try:
+            self._start(env, runtime_env)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, env: Mapping[str, str], runtime_env: Mapping[str, Any] | None) -> None:
+        request = self.request
+        ready = self.pg.ready()
+        done, _ = ray.wait([ready], timeout=_WAIT_NOTICE_S)
+        if not done:
+            print(
+                f"[{self.name}] waiting for resources: {request.describe()}; "
+                f"free now: {{{placement.format_resources(ray.available_resources())}}}",
+                file=sys.stderr,
+                flush=True,
+            )
+            ray.get(ready)
+        bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+        driver_node = ray.get_runtime_context().get_node_id()
+        bundles = placement.order_bundles(bundle_nodes, driver_node)
+        slots = placement.layout(request.num_replicas, request.replicas_per_node)
+        per_replica = request.per_replica()
+        for slot in slots:
+            strategy = PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=bundles[slot.node_rank]
+            )
+            self.actors.append(
+                _RemoteRank.options(
+                    num_cpus=per_replica.get("CPU", 0),
+                    num_gpus=per_replica.get("GPU", 0),
+                    resources={k: v for k, v in per_replica.items() if k not in ("CPU", "GPU")},
+                    scheduling_strategy=strategy,
+                    runtime_env=dict(runtime_env) if runtime_env else None,
+                ).remote(self.name, slot.rank)
+            )
+        infos: list[NodeInfo] = ray.get([a.info.remote() for a in self.actors])
+        self.infos = infos
+        self.next_port: int = ray.get(self.actors[0].open_store.remote())
+        self.specs = _specs(self.name, request, slots, infos, env)
+
+    def specs_for_call(self) -> list[RankSpec]:
+        """Each rank's spec with this call's MASTER_PORT."""
+        return [replace(spec, master_port=self.next_port) for spec in self.specs]
+
+    def pids(self) -> list[int]:
+        """Process ids of the ranks' actors, by rank."""
+        return [info.pid for info in self.infos]
+
+    def shutdown(self) -> None:
+        """Kill every actor and release the placement group; safe to call twice."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _specs(
+    name: str,
+    request: Request,
+    slots: list[placement.Slot],
+    infos: list[NodeInfo],
+    env: Mapping[str, str],
+) -> list[RankSpec]:
+    by_node: dict[int, list[tuple[str, ...]]] = {}
+    for slot, info in zip(slots, infos, strict=True):
+        by_node.setdefault(slot.node_rank, []).append(info.gpu_ids)
+    devices = {node: order_devices(ids) for node, ids in by_node.items()}
+    return [
+        RankSpec(
+            job_name=name,
+            rank=slot.rank,
+            local_rank=slot.local_rank,
+            node_rank=slot.node_rank,
+            world_size=request.num_replicas,
+            local_world_size=request.replicas_per_node,
+            num_nodes=request.num_nodes,
+            master_addr=infos[0].node_ip,
+            master_port=0,
+            cuda_visible_devices=devices[slot.node_rank],
+            interface=info.interface,
+            cpus=request.cpus_per_replica,
+            env=dict(env),
+        )
+        for slot, info in zip(slots, infos, strict=True)
+    ]

@@ -1,0 +1,126 @@
+"""Serialize the function and its arguments once, shipping local code by value."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import sysconfig
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from orchestrator.errors import ConfigError
+
+# Code under these folders is installed, so workers import it by reference.
+_INSTALLED = tuple(
+    {str(Path(p).resolve()) for k, p in sysconfig.get_paths().items() if k != "scripts"}
+    | {str(Path(sys.base_prefix).resolve()), str(Path(sys.prefix).resolve())}
+)
+_OURS = ("orchestrator", "workers")
+_registered: set[str] = set()
+_seen_modules = 0
+
+
+def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """`(fn, args, kwargs)` cloudpickled, with `fn`'s current code."""
+    fn = current(fn)
+    _register_local_modules()
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        culprit = find_unpicklable(fn, args, kwargs)
+        raise ConfigError(
+            f"cannot ship {_name(fn)} to the workers: {culprit or 'it'} cannot be pickled "
+            f"({type(exc).__name__}: {exc}). Create such objects inside the function, "
+            "or pass something picklable (a path, a config) instead."
+        ) from exc
+
+
+def check(fn: Callable[..., Any]) -> None:
+    """Raise ConfigError now if `fn` itself can never be shipped."""
+    payload(fn, (), {})
+
+
+def current(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The newest definition of a module-level function (after a cell re-run or reload)."""
+    if not inspect.isfunction(fn) or "<" in fn.__qualname__:
+        return fn
+    obj: Any = sys.modules.get(fn.__module__)
+    for part in fn.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    if inspect.isfunction(obj) and obj.__qualname__ == fn.__qualname__:
+        return obj
+    return fn
+
+
+def is_local(module: types.ModuleType) -> bool:
+    """Whether `module` is the user's own code rather than an installed package."""
+    name = module.__name__
+    file = getattr(module, "__file__", None)
+    if not file or name == "__main__" or name.split(".")[0] in _OURS:
+        return False
+    path = str(Path(file).resolve())
+    return not path.startswith(_INSTALLED) and "site-packages" not in path
+
+
+def _register_local_modules() -> None:
+    global _seen_modules  # noqa: PLW0603 - a cache of sys.modules' size
+    if len(sys.modules) == _seen_modules:
+        return
+    for name, module in list(sys.modules.items()):
+        if name not in _registered and isinstance(module, types.ModuleType) and is_local(module):
+            cloudpickle.register_pickle_by_value(module)
+            _registered.add(name)
+    _seen_modules = len(sys.modules)
+
+
+def find_unpicklable(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """Name the first object in `fn`'s closure, globals or arguments that cannot be pickled."""
+    for label, value in _parts(fn, args, kwargs, depth=0):
+        try:
+            cloudpickle.dumps(value)
+        except Exception:  # noqa: BLE001, PERF203 - probing is the point
+            return f"{label} (a {type(value).__module__}.{type(value).__qualname__})"
+    return None
+
+
+def _parts(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], depth: int
+) -> Iterator[tuple[str, Any]]:
+    for i, value in enumerate(args):
+        yield f"positional argument {i}", value
+    for key, value in kwargs.items():
+        yield f"argument {key!r}", value
+    if not inspect.isfunction(fn) or depth > 2:
+        return
+    code = fn.__code__
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        yield from _parts(value, (), {}, depth + 1)
+        yield f"closure variable {name!r} of {_name(fn)}", value
+    for name in _global_names(code):
+        if name in fn.__globals__:
+            value = fn.__globals__[name]
+            if isinstance(value, types.ModuleType):
+                continue
+            yield from _parts(value, (), {}, depth + 1)
+            yield f"global {name!r} used by {_name(fn)}", value
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_names(const)
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)

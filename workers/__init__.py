@@ -1,0 +1,1 @@
+"""Actor side: everything here runs inside a Ray actor; it never imports `orchestrator`."""

@@ -1,0 +1,117 @@
+"""The Ray actor that hosts one rank: prepares its environment, runs the function, reports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+import traceback
+from typing import Any
+
+import cloudpickle
+import ray
+
+from workers import environment
+from workers.capture import Capture
+from workers.protocol import NodeInfo, OutputChunk, RankFailure, RankResult, RankSpec
+
+CONCURRENCY_GROUPS = {"control": 4}
+"""Calls that must be answered while `run` is busy (output, stacks) use this group."""
+
+
+class RankActor:
+    """One rank of a distributed function; stays alive between calls (the warm pool)."""
+
+    def __init__(self, job_name: str, rank: int) -> None:
+        """Remember who this actor is; nothing heavy happens until the first call."""
+        self._label = f"{job_name} r{rank}"
+        self._rank = rank
+        self._local_rank = 0
+        self._node_ip = ray.util.get_node_ip_address()
+        self._store: Any = None
+        self._next_store: Any = None
+        self._capture = Capture()
+
+    def __repr__(self) -> str:
+        """Ray prefixes this actor's log lines with its repr."""
+        return self._label
+
+    def info(self) -> NodeInfo:
+        """Where this actor runs and what Ray gave it."""
+        context = ray.get_runtime_context()
+        gpus = tuple(str(gpu) for gpu in context.get_accelerator_ids().get("GPU", []))
+        return NodeInfo(
+            node_id=context.get_node_id(),
+            node_ip=self._node_ip,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            gpu_ids=gpus,
+            interface=environment.interface_for_ip(self._node_ip),
+        )
+
+    @ray.method(concurrency_group="control")
+    def drain(self, timeout: float) -> list[OutputChunk]:
+        """Output not yet sent to the driver, waiting up to `timeout` s for some."""
+        return self._capture.drain(timeout)
+
+    def open_store(self) -> int:
+        """Serve the next call's rendezvous store on a port the OS picks; return it."""
+        from torch.distributed import TCPStore
+
+        self._next_store = TCPStore(self._node_ip, 0, None, is_master=True, wait_for_workers=False)
+        return self._next_store.port
+
+    def run(self, spec: RankSpec, payload: bytes) -> RankResult | RankFailure:
+        """Run the shipped function as rank `spec.rank`; never raises."""
+        self._local_rank = spec.local_rank
+        if spec.rank == 0:
+            # The previous call's store lived until now: peers may have used it to the end.
+            self._store, self._next_store = self._next_store, None
+        try:
+            environment.apply(spec)
+            fn, args, kwargs = cloudpickle.loads(payload)
+            value = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
+            when = time.time()  # before peers notice, so the root cause is the earliest
+            _destroy_process_group()
+            return self._failure(exc, when)
+        _destroy_process_group()
+        next_port = self.open_store() if spec.rank == 0 else None
+        return RankResult(
+            rank=spec.rank,
+            value=value,
+            output_seq=self._capture.sync(),
+            next_master_port=next_port,
+        )
+
+    def _failure(self, exc: BaseException, when: float) -> RankFailure:
+        # Drop this frame so the report starts at the user's code.
+        tb = exc.__traceback__.tb_next if exc.__traceback__ else None
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        try:
+            pickled = cloudpickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - the text report is enough
+            pickled = None
+        return RankFailure(
+            rank=self._rank,
+            local_rank=self._local_rank,
+            node_ip=self._node_ip,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            time=when,
+            exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            message=str(exc),
+            traceback=text,
+            exception=pickled,
+            output_seq=self._capture.sync(),
+        )
+
+
+def _destroy_process_group() -> None:
+    """Leave no default process group behind, so the next call can init again."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a broken group is discarded either way
+            dist.destroy_process_group()

@@ -1,0 +1,110 @@
+"""File-descriptor-level capture of a rank's stdout and stderr, drained by the driver."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import sys
+import threading
+
+from workers.protocol import OutputChunk
+
+_READ = 1 << 16
+_SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
+_BUFFER_LIMIT = 64 << 20  # undrained bytes kept; older ones are dropped with a notice
+
+
+class Capture:
+    """Replaces fds 1 and 2 with pipes; a thread turns what arrives into numbered chunks.
+
+    Everything written to the fds is caught: print, logging, C libraries (gloo, NCCL)
+    and child processes alike.
+    """
+
+    def __init__(self) -> None:
+        """Redirect fds 1 and 2 now and start the reading thread."""
+        self._cond = threading.Condition()
+        self._chunks: list[OutputChunk] = []
+        self._buffered = 0
+        self._seq = 0
+        self._asked = 0  # sync generation requested
+        self._done = 0  # sync generation completed
+        self._pipes: dict[int, str] = {}
+        for fd, stream in ((1, "stdout"), (2, "stderr")):
+            read_end, write_end = os.pipe()
+            os.set_blocking(read_end, False)
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            self._pipes[read_end] = stream
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, ValueError):
+                stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        threading.Thread(target=self._pump, name="output-capture", daemon=True).start()
+
+    def drain(self, timeout: float) -> list[OutputChunk]:
+        """Chunks not yet drained, waiting up to `timeout` s for the first one."""
+        with self._cond:
+            if not self._chunks:
+                self._cond.wait(timeout)
+            chunks, self._chunks, self._buffered = self._chunks, [], 0
+        return chunks
+
+    def sync(self) -> int:
+        """Flush Python's buffers, wait until the pipes are read dry; the last chunk's seq."""
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with self._cond:
+            self._asked += 1
+            wanted = self._asked
+        os.write(self._wake_w, b"x")
+        with self._cond:
+            self._cond.wait_for(lambda: self._done >= wanted, timeout=5)
+            return self._seq
+
+    def _pump(self) -> None:
+        watched = [*self._pipes, self._wake_r]
+        while True:
+            select.select(watched, [], [])
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+            with self._cond:
+                asked = self._asked  # read before the sweep: all written before it is caught
+            dry = all(self._sweep(fd, stream) for fd, stream in self._pipes.items())
+            if dry:
+                with self._cond:
+                    self._done = max(self._done, asked)
+                    self._cond.notify_all()
+
+    def _sweep(self, fd: int, stream: str) -> bool:
+        """Read what `fd` holds now; True if it ran dry."""
+        taken = 0
+        while taken < _SWEEP_LIMIT:
+            try:
+                data = os.read(fd, _READ)
+            except BlockingIOError:
+                return True
+            if not data:
+                return True
+            taken += len(data)
+            self._append(stream, data)
+        return False
+
+    def _append(self, stream: str, data: bytes) -> None:
+        with self._cond:
+            self._seq += 1
+            self._chunks.append(OutputChunk(self._seq, stream, data))
+            self._buffered += len(data)
+            while self._buffered > _BUFFER_LIMIT and len(self._chunks) > 1:
+                dropped = self._chunks.pop(0)
+                self._buffered -= len(dropped.data)
+                notice = f"[{len(dropped.data)} bytes of output dropped: not drained]\n"
+                self._chunks[0] = OutputChunk(
+                    self._chunks[0].seq,
+                    self._chunks[0].stream,
+                    notice.encode() + self._chunks[0].data,
+                )
+            self._cond.notify_all()

@@ -1,0 +1,79 @@
+"""A rank's environment: variables, network interface, GPU visibility."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+
+from workers.protocol import RankSpec
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_for_ip(ip: str) -> str | None:
+    """Name of the network interface whose IPv4 address is `ip`, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(reply[20:24]) == ip:
+                return name
+    return None
+
+
+def order_devices(per_local_rank: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """All GPU ids of one node, each local rank's first GPU at index `local_rank`."""
+    firsts = [ids[0] for ids in per_local_rank if ids]
+    rest = [gpu for ids in per_local_rank for gpu in ids[1:]]
+    return tuple(firsts + rest)
+
+
+def rank_env(spec: RankSpec) -> dict[str, str]:
+    """The variables torchrun would give this rank, plus the user's `env`."""
+    env = {
+        "RANK": str(spec.rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_RANK": str(spec.local_rank),
+        "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+        "NODE_RANK": str(spec.node_rank),
+        "GROUP_RANK": str(spec.node_rank),
+        "GROUP_WORLD_SIZE": str(spec.num_nodes),
+        "ROLE_RANK": str(spec.rank),
+        "ROLE_WORLD_SIZE": str(spec.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(spec.master_port),
+        # Rank 0's actor already serves the rendezvous store on MASTER_PORT, as
+        # torchrun's agent does; with this flag every rank connects as a client,
+        # so the port cannot be taken between choosing and binding it.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": spec.job_name,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "OMP_NUM_THREADS": str(max(1, int(spec.cpus))),
+    }
+    if spec.cuda_visible_devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.cuda_visible_devices)
+    if spec.interface:
+        env["GLOO_SOCKET_IFNAME"] = spec.interface
+        env["NCCL_SOCKET_IFNAME"] = spec.interface
+    env.update(spec.env)
+    return env
+
+
+def apply(spec: RankSpec) -> None:
+    """Set this process's environment for `spec` and bind its GPU, before user code."""
+    os.environ.update(rank_env(spec))
+    import torch  # late: CUDA must see CUDA_VISIBLE_DEVICES before it initializes
+
+    threads = os.environ["OMP_NUM_THREADS"]
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    has_gpu = spec.cuda_visible_devices and torch.cuda.is_available()
+    if has_gpu and spec.local_rank < torch.cuda.device_count():
+        torch.cuda.set_device(spec.local_rank)

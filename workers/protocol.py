@@ -1,0 +1,83 @@
+"""Dataclasses that cross the driver/actor boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What one rank's actor reports about where it runs."""
+
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+    gpu_ids: tuple[str, ...]
+    """Accelerator ids Ray assigned to this actor alone."""
+    interface: str | None
+    """Network interface that carries `node_ip`, if one could be found."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to know about its place in the job."""
+
+    job_name: str
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    cuda_visible_devices: tuple[str, ...] = ()
+    """All GPUs of the job on this node, the rank's own at index `local_rank`."""
+    interface: str | None = None
+    cpus: float = 1.0
+    env: dict[str, str] = field(default_factory=dict)
+    """The user's extra variables; they win over ours."""
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """A rank's return value."""
+
+    rank: int
+    value: object
+    output_seq: int = 0
+    """Seq of the last output chunk written before the function returned."""
+    next_master_port: int | None = None
+    """Rank 0 only: the port of the store it already opened for the next call."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank that raised, or whose process died."""
+
+    rank: int
+    local_rank: int
+    node_ip: str
+    hostname: str
+    pid: int
+    time: float
+    """Wall-clock time of the failure (time.time() on the rank's node)."""
+    exc_type: str
+    """Qualified name of the exception type, or "crash" when the process died."""
+    message: str
+    traceback: str
+    exception: bytes | None = None
+    """The exception itself, cloudpickled, when it could be pickled."""
+    output_seq: int = 0
+    """Seq of the last output chunk written before the failure was reported."""
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """Bytes a rank wrote to one of its standard streams, numbered in arrival order."""
+
+    seq: int
+    stream: str
+    """"stdout" or "stderr"."""
+    data: bytes
