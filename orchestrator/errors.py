@@ -65,8 +65,8 @@ def order_failures(failures: Sequence[RankFailure]) -> list[RankFailure]:
     return [root] + [f for f in by_time if f is not root]
 
 
-def describe(failure: RankFailure) -> str:
-    """One line naming the rank, where it ran and what happened."""
+def describe(failure: RankFailure, limit: int | None = None) -> str:
+    """One line naming the rank, where it ran and what happened (message cut at `limit`)."""
     where = (
         f"rank {failure.rank} (local rank {failure.local_rank}) on {failure.node_ip} "
         f"(host {failure.hostname}, pid {failure.pid})"
@@ -74,7 +74,11 @@ def describe(failure: RankFailure) -> str:
     if failure.exc_type == CRASH:
         return f"{where} crashed: {failure.message}"
     name = failure.exc_type.removeprefix("builtins.")
-    return f"{where} raised {name}: {failure.message}"
+    message = failure.message
+    if limit is not None:
+        message = message.strip().split("\n", 1)[0]
+        message = message if len(message) <= limit else message[: limit - 3] + "..."
+    return f"{where} raised {name}: {message}"
 
 
 def format_report(root: RankFailure, failures: Sequence[RankFailure]) -> str:
@@ -83,7 +87,7 @@ def format_report(root: RankFailure, failures: Sequence[RankFailure]) -> str:
     others = [f for f in failures if f is not root]
     if others:
         lines += ["", f"{len(others)} other rank(s) failed after it:"]
-        lines += [f"  {describe(f)}" for f in others]
+        lines += [f"  {describe(f, limit=200)}" for f in others]
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError
 
 from orchestrator.errors import CRASH, distributed_error
 from orchestrator.pool import Pool
-from workers.protocol import RankFailure, RankResult
+from workers.protocol import Payload, RankFailure, RankResult
 
 _GATHER_S = 0.3
 """After the first failure, how long to keep listening for the others' (for the report)."""
@@ -18,7 +18,7 @@ _DRAIN_POLL_S = 30.0
 """How long one output request waits on an idle rank before returning empty."""
 
 
-def run(pool: Pool, payload: bytes) -> list[Any]:
+def run(pool: Pool, payload: Payload) -> list[Any]:
     """Run the shipped function on every rank of `pool`; results by rank.
 
     Ranks are watched as they complete, not in rank order. On the first failure the

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import io
+import linecache
 import sys
 import sysconfig
 import types
@@ -11,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+from cloudpickle import cloudpickle as _cloudpickle_impl
 
 from orchestrator.errors import ConfigError
+from workers.protocol import Payload
 
 # Code under these folders is installed, so workers import it by reference.
 _INSTALLED = tuple(
@@ -24,12 +28,15 @@ _registered: set[str] = set()
 _seen_modules = 0
 
 
-def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """`(fn, args, kwargs)` cloudpickled, with `fn`'s current code."""
+def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:
+    """`(fn, args, kwargs)` cloudpickled with `fn`'s current code, and that code's source."""
     fn = current(fn)
     _register_local_modules()
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
     try:
-        return cloudpickle.dumps((fn, args, kwargs))
+        pickler.dump((fn, args, kwargs))
+        return Payload(call=buffer.getvalue(), sources=_sources(pickler.files))
     except Exception as exc:
         culprit = find_unpicklable(fn, args, kwargs)
         raise ConfigError(
@@ -37,6 +44,32 @@ def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
             f"({type(exc).__name__}: {exc}). Create such objects inside the function, "
             "or pass something picklable (a path, a config) instead."
         ) from exc
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Keeps the file names of code shipped by value (cloudpickle drops them)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.files: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType) and hasattr(_cloudpickle_impl, "_code_reduce"):
+            self.files.add(obj.co_filename)
+            rebuild, args = _cloudpickle_impl._code_reduce(obj)
+            args = tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
+            return rebuild, args
+        return super().reducer_override(obj)
+
+
+def _sources(files: set[str]) -> dict[str, list[str]]:
+    """Source lines of `files` (notebook cells included), so remote tracebacks show them."""
+    sources = {}
+    for name in files:
+        lines = linecache.getlines(name)
+        if lines:
+            sources[name] = lines
+    return sources
 
 
 def check(fn: Callable[..., Any]) -> None:

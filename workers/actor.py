@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import socket
 import time
@@ -14,7 +15,7 @@ import ray
 
 from workers import environment
 from workers.capture import Capture
-from workers.protocol import NodeInfo, OutputChunk, RankFailure, RankResult, RankSpec
+from workers.protocol import NodeInfo, OutputChunk, Payload, RankFailure, RankResult, RankSpec
 
 CONCURRENCY_GROUPS = {"control": 4}
 """Calls that must be answered while `run` is busy (output, stacks) use this group."""
@@ -62,7 +63,7 @@ class RankActor:
         self._next_store = TCPStore(self._node_ip, 0, None, is_master=True, wait_for_workers=False)
         return self._next_store.port
 
-    def run(self, spec: RankSpec, payload: bytes) -> RankResult | RankFailure:
+    def run(self, spec: RankSpec, payload: Payload) -> RankResult | RankFailure:
         """Run the shipped function as rank `spec.rank`; never raises."""
         self._local_rank = spec.local_rank
         if spec.rank == 0:
@@ -70,7 +71,10 @@ class RankActor:
             self._store, self._next_store = self._next_store, None
         try:
             environment.apply(spec)
-            fn, args, kwargs = cloudpickle.loads(payload)
+            for name, lines in payload.sources.items():
+                # mtime None: linecache keeps the entry even where no such file exists.
+                linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+            fn, args, kwargs = cloudpickle.loads(payload.call)
             value = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             when = time.time()  # before peers notice, so the root cause is the earliest

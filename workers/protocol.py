@@ -74,6 +74,16 @@ class RankFailure:
 
 
 @dataclass(frozen=True)
+class Payload:
+    """What one call ships to every rank, put in the object store once."""
+
+    call: bytes
+    """`(fn, args, kwargs)`, cloudpickled."""
+    sources: dict[str, list[str]]
+    """Source lines of the code shipped by value, by file name, for tracebacks."""
+
+
+@dataclass(frozen=True)
 class OutputChunk:
     """Bytes a rank wrote to one of its standard streams, numbered in arrival order."""
 

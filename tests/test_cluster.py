@@ -1,0 +1,215 @@
+"""distribute() on a real two-node Ray cluster (logical GPUs), with real gloo rendezvous."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+import ray
+
+from orchestrator import DistributedError, PlacementError, distribute
+from tests.conftest import GPUS_PER_NODE, wait_resources_back
+
+
+def _report(tag: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    print(f"rank {dist.get_rank()} says {tag}")
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+            "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
+            "OMP_NUM_THREADS", "EXTRA")
+    return {
+        "env": {k: os.environ.get(k) for k in keys},
+        "node": ray.get_runtime_context().get_node_id(),
+        "gpus": [str(g) for g in ray.get_runtime_context().get_accelerator_ids()["GPU"]],
+        "pid": os.getpid(),
+        "sum": total.item(),
+    }
+
+
+def test_ranks_laid_out_by_node_with_torchrun_environment(cluster, capfd):
+    with distribute(_report, num_replicas=4, replicas_per_node=2, env={"EXTRA": "x"}) as fn:
+        first = fn("hello")
+        second = fn("again")
+        assert fn.pids() == [r["pid"] for r in first]
+    out = capfd.readouterr().out
+
+    assert [r["sum"] for r in first] == [6.0] * 4
+    assert [r["env"]["RANK"] for r in first] == ["0", "1", "2", "3"]
+    assert [r["env"]["LOCAL_RANK"] for r in first] == ["0", "1", "0", "1"]
+    assert [r["env"]["NODE_RANK"] for r in first] == ["0", "0", "1", "1"]
+    assert all(r["env"]["GROUP_RANK"] == r["env"]["NODE_RANK"] for r in first)
+    assert {r["env"]["WORLD_SIZE"] for r in first} == {"4"}
+    assert {r["env"]["LOCAL_WORLD_SIZE"] for r in first} == {"2"}
+    assert {r["env"]["EXTRA"] for r in first} == {"x"}
+    assert {r["env"]["OMP_NUM_THREADS"] for r in first} == {"1"}
+    assert all(r["env"]["GLOO_SOCKET_IFNAME"] for r in first)
+
+    # Two ranks per node, contiguous, and rank 0 on the driver's node.
+    assert first[0]["node"] == first[1]["node"] != first[2]["node"] == first[3]["node"]
+    assert first[0]["node"] == ray.get_runtime_context().get_node_id()
+    master = {r["env"]["MASTER_ADDR"] for r in first}
+    assert master == {ray.util.get_node_ip_address()}
+
+    # Each node's ranks see all the node's GPUs of the job, their own at LOCAL_RANK.
+    for r in first:
+        visible = r["env"]["CUDA_VISIBLE_DEVICES"].split(",")
+        assert len(visible) == GPUS_PER_NODE
+        assert visible[int(r["env"]["LOCAL_RANK"])] == r["gpus"][0]
+
+    # The warm call reuses the same processes and picks a new port.
+    assert [r["pid"] for r in second] == [r["pid"] for r in first]
+    assert second[0]["env"]["MASTER_PORT"] != first[0]["env"]["MASTER_PORT"]
+    assert [r["sum"] for r in second] == [6.0] * 4
+
+    for rank in range(4):
+        assert f"[report r{rank}] rank {rank} says hello" in out
+        assert f"[report r{rank}] rank {rank} says again" in out
+    wait_resources_back()
+
+
+def test_gpus_per_replica_defaults_to_one_on_a_gpu_cluster(cluster):
+    with distribute(lambda: os.environ["CUDA_VISIBLE_DEVICES"], num_replicas=2) as fn:
+        # replicas_per_node=None: as many as a node has GPUs.
+        assert fn() == ["0,1", "0,1"] or sorted(fn()[0].split(",")) == ["0", "1"]
+    wait_resources_back()
+
+
+def test_results_in_rank_order_even_when_ranks_finish_out_of_order(cluster):
+    def slow_low_ranks() -> int:
+        rank = int(os.environ["RANK"])
+        time.sleep(0.3 * (3 - rank))
+        return rank * 10
+
+    with distribute(slow_low_ranks, num_replicas=4, replicas_per_node=2) as fn:
+        assert fn() == [0, 10, 20, 30]
+
+
+def test_infeasible_request_fails_fast_with_the_cluster_resources(cluster):
+    started = time.monotonic()
+    fn = distribute(lambda: 0, num_replicas=6, replicas_per_node=3, gpus_per_replica=1)
+    with pytest.raises(PlacementError) as info:
+        fn()
+    assert time.monotonic() - started < 10
+    text = str(info.value)
+    assert "GPU: 2" in text
+    assert "replicas_per_node <= 2" in text
+    wait_resources_back()
+
+
+def _raise_on_rank_2() -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 2:
+        print("rank 2 about to fail")
+        raise ValueError("boom")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_rank_exception_raised_at_once_and_pool_recovers(cluster, capfd):
+    fn = distribute(_raise_on_rank_2, num_replicas=4, replicas_per_node=2)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="boom") as info:
+        fn()
+    assert time.monotonic() - started < 30
+    err = info.value
+    assert isinstance(err, DistributedError)
+    assert err.root_cause.rank == 2
+    assert 'raise ValueError("boom")' in str(err)
+    assert str(err).startswith("rank 2 (local rank 0)")
+    assert "[raise_on_rank_2 r2] rank 2 about to fail" in capfd.readouterr().out
+
+    # The same function works again: the stuck pool was replaced.
+    fn.fn = lambda: int(os.environ["RANK"])
+    assert fn() == [0, 1, 2, 3]
+    fn.shutdown()
+    wait_resources_back()
+
+
+def test_crashed_rank_is_reported_as_a_crash(cluster, capfd):
+    def die_on_rank_1() -> int:
+        if os.environ["RANK"] == "1":
+            print("last words of rank 1", flush=True)
+            time.sleep(0.2)
+            os._exit(3)
+        time.sleep(60)
+        return 0
+
+    fn = distribute(die_on_rank_1, num_replicas=4, replicas_per_node=2)
+    started = time.monotonic()
+    with pytest.raises(DistributedError) as info:
+        fn()
+    assert time.monotonic() - started < 20
+    assert info.value.root_cause.rank == 1
+    assert info.value.root_cause.exc_type == "crash"
+    assert "rank 1 (local rank 1)" in str(info.value)
+    assert "crashed" in str(info.value)
+    assert "last words of rank 1" in capfd.readouterr().out
+    fn.shutdown()
+    wait_resources_back()
+
+
+def test_output_from_every_source_is_captured_with_rank_prefix(cluster, capfd):
+    def chatty() -> None:
+        import logging
+        import subprocess
+
+        rank = os.environ["RANK"]
+        print(f"print from {rank}")
+        os.write(1, f"fd1 from {rank}\n".encode())
+        os.write(2, f"fd2 from {rank}\n".encode())
+        logging.getLogger("t").warning("log from %s", rank)
+        subprocess.run([sys.executable, "-c", f"print('child of {rank}')"], check=True)
+
+    with distribute(chatty, num_replicas=2, replicas_per_node=1, name="chat") as fn:
+        fn()
+    captured = capfd.readouterr()
+    for rank in range(2):
+        assert f"[chat r{rank}] print from {rank}" in captured.out
+        assert f"[chat r{rank}] fd1 from {rank}" in captured.out
+        assert f"[chat r{rank}] child of {rank}" in captured.out
+        assert f"[chat r{rank}] fd2 from {rank}" in captured.err
+        assert f"[chat r{rank}] log from {rank}" in captured.err
+        assert f"fd2 from {rank}" not in captured.out
+
+
+def test_edited_local_module_runs_new_code_on_the_warm_pool(cluster, tmp_path, monkeypatch):
+    module = tmp_path / "edited_mod.py"
+    module.write_text("def version():\n    return 'v1'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("edited_mod")
+    with distribute(mod.version, num_replicas=2, replicas_per_node=1) as fn:
+        assert fn() == ["v1", "v1"]
+        pids = fn.pids()
+        module.write_text(textwrap.dedent("""\
+            def helper():
+                return 'v2'
+
+            def version():
+                return helper()
+        """))
+        importlib.reload(mod)
+        assert fn() == ["v2", "v2"]
+        assert fn.pids() == pids
+    sys.modules.pop("edited_mod", None)
+
+
+def test_shutdown_releases_everything_and_a_new_call_works(cluster):
+    fn = distribute(os.getpid, num_replicas=4, replicas_per_node=2)
+    first = fn()
+    fn.shutdown()
+    wait_resources_back()
+    second = fn()
+    assert set(first).isdisjoint(second)
+    fn.shutdown()
+    wait_resources_back()

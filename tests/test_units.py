@@ -1,0 +1,240 @@
+"""Fast tests of the pure parts: rank layout, environment, errors, validation. No Ray."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import cloudpickle
+import pytest
+
+import orchestrator
+from orchestrator import (
+    ConfigError,
+    DistributedError,
+    PlacementError,
+    distribute,
+    errors,
+    placement,
+    shipping,
+)
+from workers import environment
+from workers.protocol import RankFailure, RankSpec
+
+
+def test_public_api_is_small_and_stable():
+    assert sorted(orchestrator.__all__) == [
+        "ConfigError",
+        "DistributedError",
+        "DistributedFunction",
+        "OrchestratorError",
+        "PlacementError",
+        "distribute",
+    ]
+
+
+def test_layout_is_contiguous_per_node():
+    slots = placement.layout(6, 3)
+    assert [(s.rank, s.node_rank, s.local_rank) for s in slots] == [
+        (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0), (4, 1, 1), (5, 1, 2),
+    ]
+
+
+def test_bundles_ordered_with_driver_node_first():
+    assert placement.order_bundles({0: "b", 1: "a", 2: "c"}, "a") == [1, 0, 2]
+    assert placement.order_bundles({0: "b", 1: "c"}, "elsewhere") == [0, 1]
+
+
+def test_default_replicas_per_node_follows_gpus():
+    nodes = [{"GPU": 8.0}, {"GPU": 8.0}]
+    assert placement.default_replicas_per_node(16, 1, nodes) == 8
+    assert placement.default_replicas_per_node(12, 1, nodes) == 6  # largest divisor that fits
+    assert placement.default_replicas_per_node(4, 2, nodes) == 4
+    assert placement.default_replicas_per_node(4, 0, [{"CPU": 2.0}]) == 4  # CPU-only: one node
+
+
+def test_request_bundle_scales_per_node():
+    req = placement.Request(4, 2, cpus_per_replica=1, gpus_per_replica=1,
+                            resources_per_replica={"nvlink": 1})
+    assert req.num_nodes == 2
+    assert req.per_replica() == {"CPU": 1, "GPU": 1, "nvlink": 1}
+    assert req.bundle() == {"CPU": 2, "GPU": 2, "nvlink": 2}
+
+
+def test_infeasible_request_lists_the_nodes_and_what_is_valid():
+    req = placement.Request(6, 3, cpus_per_replica=1, gpus_per_replica=1)
+    nodes = [("10.0.0.1", {"CPU": 8.0, "GPU": 2.0}), ("10.0.0.2", {"CPU": 8.0, "GPU": 2.0})]
+    with pytest.raises(PlacementError) as info:
+        placement.check_feasible(req, nodes, one_node=False)
+    text = str(info.value)
+    assert "10.0.0.1: {CPU: 8, GPU: 2}" in text
+    assert "10.0.0.2: {CPU: 8, GPU: 2}" in text
+    assert "replicas_per_node <= 2" in text
+    placement.check_feasible(placement.Request(4, 2, 1, 1), nodes, one_node=False)
+
+
+def test_simulated_nodes_must_fit_on_one_node():
+    nodes = [("127.0.0.1", {"CPU": 4.0})]
+    placement.check_feasible(placement.Request(4, 2, 1, 0), nodes, one_node=True)
+    with pytest.raises(PlacementError, match="simulated"):
+        placement.check_feasible(placement.Request(8, 2, 1, 0), nodes, one_node=True)
+
+
+def _spec(**kw):
+    base = dict(job_name="j", rank=3, local_rank=1, node_rank=1, world_size=4,
+                local_world_size=2, num_nodes=2, master_addr="10.1.2.3", master_port=29500)
+    base.update(kw)
+    return RankSpec(**base)
+
+
+def test_rank_env_matches_torchrun():
+    env = environment.rank_env(_spec(interface="eth7", cuda_visible_devices=("4", "6")))
+    assert env["RANK"] == "3"
+    assert env["LOCAL_RANK"] == "1"
+    assert env["WORLD_SIZE"] == "4"
+    assert env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["NODE_RANK"] == env["GROUP_RANK"] == "1"
+    assert env["MASTER_ADDR"] == "10.1.2.3"
+    assert env["MASTER_PORT"] == "29500"
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth7"
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,6"
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+def test_user_env_wins_over_defaults():
+    env = environment.rank_env(
+        _spec(interface="eth0", env={"OMP_NUM_THREADS": "8", "GLOO_SOCKET_IFNAME": "ib0"})
+    )
+    assert env["OMP_NUM_THREADS"] == "8"
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0"
+
+
+def test_devices_put_each_local_rank_first_gpu_at_its_index():
+    assert environment.order_devices([("3",), ("1",)]) == ("3", "1")
+    assert environment.order_devices([("0", "1"), ("2", "3")]) == ("0", "2", "1", "3")
+    assert environment.order_devices([(), ()]) == ()
+
+
+def test_interface_for_loopback():
+    assert environment.interface_for_ip("127.0.0.1") == "lo"
+    assert environment.interface_for_ip("203.0.113.254") is None
+
+
+def _failure(rank, when, exc, message=None):
+    return RankFailure(
+        rank=rank, local_rank=rank % 2, node_ip="10.0.0.1", hostname="h", pid=100 + rank,
+        time=when, exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        message=message or str(exc), traceback=f'  File "train.py", line 7\n{exc!r}\n',
+        exception=cloudpickle.dumps(exc),
+    )
+
+
+def test_secondary_errors_are_not_the_root_cause():
+    peer = _failure(0, 1.0, RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:123"))
+    root = _failure(3, 2.0, ValueError("boom"))
+    err = errors.distributed_error([peer, root])
+    assert err.root_cause.rank == 3
+    assert [f.rank for f in err.failures] == [3, 0]
+    assert isinstance(err, ValueError)
+    assert isinstance(err, DistributedError)
+    text = str(err)
+    assert text.startswith("rank 3 (local rank 1) on 10.0.0.1 (host h, pid 103) raised ValueError")
+    assert "1 other rank(s) failed after it" in text
+    assert "rank 0" in text.split("failed after it")[1]
+
+
+def test_earliest_failure_is_the_root_cause():
+    first = _failure(1, 1.0, KeyError("k"))
+    later = _failure(2, 5.0, ValueError("v"))
+    err = errors.distributed_error([later, first])
+    assert err.root_cause.rank == 1
+    assert isinstance(err, KeyError)
+    with pytest.raises(KeyError):
+        raise err
+
+
+def test_unpicklable_exception_type_still_gives_distributed_error():
+    failure = _failure(0, 1.0, ValueError("x"))
+    failure = RankFailure(**{**failure.__dict__, "exception": b"garbage"})
+    err = errors.distributed_error([failure])
+    assert type(err) is DistributedError
+    assert "raised ValueError: x" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"num_replicas": 0}, "num_replicas=0: must be an int >= 1"),
+        ({"num_replicas": 2.5}, "num_replicas=2.5"),
+        ({"num_replicas": 4, "replicas_per_node": 3},
+         "replicas_per_node=3 does not divide num_replicas=4; valid: 1, 2, 4"),
+        ({"num_replicas": 4, "replicas_per_node": 0}, "replicas_per_node=0"),
+        ({"num_replicas": 2, "cpus_per_replica": -1}, "cpus_per_replica=-1"),
+        ({"num_replicas": 2, "resources_per_replica": {"GPU": 1}}, "use gpus_per_replica"),
+        ({"num_replicas": 2, "name": "has space"}, "name='has space'"),
+        ({"num_replicas": 2, "env": {"A": 1}}, "env['A']=1"),
+    ],
+)
+def test_bad_arguments_name_the_value_and_what_is_valid(kwargs, fragment):
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        distribute(len, **kwargs)
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert time.monotonic() - started < 1
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        distribute("not a function", num_replicas=0, name="")  # type: ignore[arg-type]
+    text = str(info.value)
+    assert "is not callable" in text
+    assert "num_replicas=0" in text
+    assert "name=''" in text
+
+
+def test_unpicklable_closure_is_named_before_anything_starts():
+    lock = threading.Lock()
+
+    def train():
+        with lock:
+            return 1
+
+    with pytest.raises(ConfigError) as info:
+        distribute(train, num_replicas=2)
+    assert "closure variable 'lock'" in str(info.value)
+    assert "_thread.lock" in str(info.value)
+
+
+def test_unpicklable_argument_is_named():
+    with pytest.raises(ConfigError, match="argument 'handle'"):
+        shipping.payload(len, (), {"handle": threading.Lock()})
+
+
+def _old_version():
+    return "old"
+
+
+def test_current_finds_the_redefined_function():
+    original = _old_version
+    globals()["_old_version"] = lambda: "new"
+    try:
+        assert shipping.current(original) is original  # a lambda is not the same function
+        def _old_version_new():
+            return "new"
+        _old_version_new.__qualname__ = original.__qualname__
+        _old_version_new.__module__ = original.__module__
+        globals()["_old_version"] = _old_version_new
+        assert shipping.current(original) is _old_version_new
+    finally:
+        globals()["_old_version"] = original
+
+
+def test_local_modules_ship_by_value_installed_ones_by_reference():
+    assert shipping.is_local(__import__("tests.test_units").test_units)
+    assert not shipping.is_local(os)
+    assert not shipping.is_local(pytest)
+    assert not shipping.is_local(orchestrator)
