@@ -85,7 +85,8 @@ def _start_local(min_cpus: float) -> None:
 
 def _local_cluster() -> tuple[str | None, Path | None]:
     """(address of a live `ray start` cluster on this machine, path of a stale record)."""
-    tmp = Path(os.environ.get("RAY_TMPDIR", "/tmp"))  # noqa: S108 - where Ray writes it / "ray" / "ray_current_cluster"
+    root = os.environ.get("RAY_TMPDIR", "/tmp")  # noqa: S108 - where Ray keeps it
+    tmp = Path(root) / "ray" / "ray_current_cluster"
     try:
         address = tmp.read_text().strip()
     except OSError:
