@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -213,3 +214,24 @@ def test_shutdown_releases_everything_and_a_new_call_works(cluster):
     assert set(first).isdisjoint(second)
     fn.shutdown()
     wait_resources_back()
+
+
+def test_driver_exit_without_shutdown_leaves_nothing_behind(cluster, tmp_path):
+    script = tmp_path / "leaky.py"
+    script.write_text(textwrap.dedent(f"""\
+        import os
+        from orchestrator import distribute
+        fn = distribute(os.getpid, num_replicas=4, replicas_per_node=2,
+                        address={cluster.address!r})
+        print(fn())
+    """))
+    env = {**os.environ, "PYTHONPATH": str(os.path.dirname(os.path.dirname(__file__)))}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    pids = [int(p) for p in proc.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+    wait_resources_back()
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
