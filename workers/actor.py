@@ -75,11 +75,14 @@ class RankActor:
                 # mtime None: linecache keeps the entry even where no such file exists.
                 linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
             fn, args, kwargs = cloudpickle.loads(payload.call)
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
+            return self._failure(exc, time.time(), setup=True)
+        try:
             value = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             when = time.time()  # before peers notice, so the root cause is the earliest
             _destroy_process_group()
-            return self._failure(exc, when)
+            return self._failure(exc, when, setup=False)
         _destroy_process_group()
         next_port = self.open_store() if spec.rank == 0 else None
         return RankResult(
@@ -89,10 +92,14 @@ class RankActor:
             next_master_port=next_port,
         )
 
-    def _failure(self, exc: BaseException, when: float) -> RankFailure:
-        # Drop this frame so the report starts at the user's code.
-        tb = exc.__traceback__.tb_next if exc.__traceback__ else None
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    def _failure(self, exc: BaseException, when: float, *, setup: bool) -> RankFailure:
+        tb = exc.__traceback__
+        if setup:  # our own failure: keep every frame, and say so
+            note = "while preparing the rank, before the function ran (an orchestrator problem)"
+            text = f"{note}:\n" + "".join(traceback.format_exception(type(exc), exc, tb))
+        else:  # drop this frame so the report starts at the user's code
+            tb = tb.tb_next if tb else None
+            text = "".join(traceback.format_exception(type(exc), exc, tb))
         try:
             pickled = cloudpickle.dumps(exc)
         except Exception:  # noqa: BLE001 - the text report is enough

@@ -1,0 +1,1 @@
+"""Runnable examples: each file is a script, also importable as `examples.<name>`."""
