@@ -36,7 +36,7 @@ def run(pool: Pool, payload: Payload) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[RankFailure] = []
     deadline: float | None = None
-    while runs or any(console.printed[r] < seq for r, seq in owed.items() if r in pool.drains):
+    while runs or any(console.printed[r] < seq for r, seq in owed.items() if r not in pool.dead):
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             break

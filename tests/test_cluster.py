@@ -235,3 +235,21 @@ def test_driver_exit_without_shutdown_leaves_nothing_behind(cluster, tmp_path):
     while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+
+
+def test_every_line_arrives_once_in_order_before_the_call_returns(cluster, capfd):
+    def flood(n: int) -> int:
+        rank = os.environ["RANK"]
+        for i in range(n):
+            print(f"line {i} of rank {rank}")
+        os.write(2, f"last stderr of rank {rank}".encode())  # no newline: still shown
+        return n
+
+    with distribute(flood, num_replicas=4, replicas_per_node=2, name="flood") as fn:
+        assert fn(2000) == [2000] * 4
+        captured = capfd.readouterr()
+    for rank in range(4):
+        prefix = f"[flood r{rank}] "
+        mine = [line[len(prefix):] for line in captured.out.splitlines() if line.startswith(prefix)]
+        assert mine == [f"line {i} of rank {rank}" for i in range(2000)]
+        assert f"{prefix}last stderr of rank {rank}" in captured.err
