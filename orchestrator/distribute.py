@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
 import threading
+import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -14,6 +18,7 @@ import ray
 
 from orchestrator import cluster, job, placement, shipping
 from orchestrator.errors import ConfigError
+from orchestrator.logs import DEFAULT_PREFIX, Console, read_log
 from orchestrator.pool import Pool
 
 P = ParamSpec("P")
@@ -37,6 +42,18 @@ class Options:
     env: Mapping[str, str] = field(default_factory=dict)
     address: str | None = None
     runtime_env: Mapping[str, Any] | None = None
+    log_prefix: str = DEFAULT_PREFIX
+    """Format of each console line's prefix, with {name} and {rank}; "" for none."""
+    log_ranks: Collection[int] | None = None
+    """Ranks shown on the console (None: all); the log files keep every rank."""
+    log_dir: Path | None = None
+    """Where each call's rank-N.log files go, in a folder per call; None: no files."""
+
+
+def default_log_dir() -> Path:
+    """$ORCHESTRATOR_LOG_DIR, else ~/.cache/orchestrator/logs."""
+    env = os.environ.get("ORCHESTRATOR_LOG_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "orchestrator" / "logs"
 
 
 class _PoolHolder:
@@ -60,6 +77,9 @@ class DistributedFunction(Generic[P, R]):
         self.options = options
         self._lock = threading.Lock()
         self._holder = _PoolHolder()
+        self._calls = itertools.count(1)
+        self.log_dir: Path | None = None
+        """The last call's log folder (rank-N.log for every rank)."""
         weakref.finalize(self, self._holder.release)
 
     @property
@@ -72,12 +92,25 @@ class DistributedFunction(Generic[P, R]):
         data = shipping.payload(self.fn, args, kwargs)
         with self._lock:  # a second caller waits for the pool to be free
             pool = self._holder.pool or self._start()
+            if self.options.log_dir is not None:
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                folder = f"{stamp}-{os.getpid()}-{next(self._calls)}"
+                self.log_dir = self.options.log_dir / self.name / folder
+                pool.console.open_logs(self.log_dir)
             try:
                 return job.run(pool, data)
             except BaseException:
                 # Ranks may be stuck in a collective: replace the whole pool next time.
                 self._holder.release()
                 raise
+            finally:
+                pool.console.close_logs()
+
+    def logs(self, rank: int) -> str:
+        """Everything rank `rank` wrote during the last call."""
+        if self.log_dir is None:
+            raise FileNotFoundError(f"{self.name} has kept no log files yet")
+        return read_log(self.log_dir, rank)
 
     def pids(self) -> list[int]:
         """Process ids of the warm pool's ranks, by rank (empty before the first call)."""
@@ -132,8 +165,16 @@ class DistributedFunction(Generic[P, R]):
         runtime_vars = (opts.runtime_env or {}).get("env_vars") or {}
         if "OMP_NUM_THREADS" in runtime_vars:  # the user's choice wins over our default
             env.setdefault("OMP_NUM_THREADS", str(runtime_vars["OMP_NUM_THREADS"]))
+        console = Console(
+            opts.name, opts.num_replicas, prefix=opts.log_prefix, show=opts.log_ranks
+        )
         pool = Pool(
-            opts.name, request, simulate_nodes=simulate, env=env, runtime_env=opts.runtime_env
+            opts.name,
+            request,
+            simulate_nodes=simulate,
+            env=env,
+            runtime_env=opts.runtime_env,
+            console=console,
         )
         self._holder.pool = pool
         return pool
@@ -151,12 +192,23 @@ def distribute(
     env: Mapping[str, str] | None = None,
     address: str | None = None,
     runtime_env: Mapping[str, Any] | None = None,
+    log_prefix: str = DEFAULT_PREFIX,
+    log_ranks: Collection[int] | None = None,
+    log_dir: str | os.PathLike[str] | bool | None = True,
 ) -> DistributedFunction[P, R]:
     """Make `fn` a function that runs on `num_replicas` ranks of a torch.distributed job.
 
     Nothing starts until the first call; the ranks' actors then stay warm for the
     next call until `.shutdown()`, the end of a `with` block, or interpreter exit.
+    `log_dir=True` keeps each call's per-rank logs under `default_log_dir()`; a path
+    puts them there instead; False keeps none.
     """
+    if log_dir is True:
+        folder: Path | None = default_log_dir()
+    elif log_dir is False or log_dir is None:
+        folder = None
+    else:
+        folder = Path(log_dir)
     options = Options(
         num_replicas=num_replicas,
         replicas_per_node=replicas_per_node,
@@ -167,6 +219,9 @@ def distribute(
         env=dict(env or {}),
         address=address,
         runtime_env=runtime_env,
+        log_prefix=log_prefix,
+        log_ranks=None if log_ranks is None else tuple(log_ranks),
+        log_dir=folder,
     )
     problems = validate(fn, options)
     if problems:
@@ -221,6 +276,25 @@ def validate(fn: object, o: Options) -> list[str]:  # noqa: PLR0912 - one check 
         )
     if o.runtime_env is not None and not isinstance(o.runtime_env, Mapping):
         problems.append(f"runtime_env={o.runtime_env!r}: must be a dict, as for ray.init")
+    problems += _validate_logs(o)
+    return problems
+
+
+def _validate_logs(o: Options) -> list[str]:
+    problems = []
+    try:
+        o.log_prefix.format(name="n", rank=0)
+    except (AttributeError, KeyError, IndexError, ValueError):
+        problems.append(
+            f"log_prefix={o.log_prefix!r}: must be a format string using only {{name}} "
+            "and {rank}, e.g. '[{name} r{rank}]', or ''"
+        )
+    if o.log_ranks is not None and _is_int(o.num_replicas):
+        bad = [r for r in o.log_ranks if not _is_int(r) or not 0 <= r < o.num_replicas]
+        if bad:
+            problems.append(
+                f"log_ranks={list(o.log_ranks)!r}: {bad} not ranks; valid: 0..{o.num_replicas - 1}"
+            )
     return problems
 
 

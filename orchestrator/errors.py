@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import cloudpickle
 
@@ -46,10 +47,21 @@ class DistributedError(OrchestratorError):
 
     root_cause: RankFailure
     failures: list[RankFailure]
+    log_dir: Path | None
+    """The failed call's per-rank log files (rank-N.log), every rank's output."""
 
     def __str__(self) -> str:
         """The full report (the message is built from the failure records)."""
-        return format_report(self.root_cause, self.failures)
+        report = format_report(self.root_cause, self.failures)
+        if self.log_dir is not None:
+            report += f"\n\nEvery rank's output: {self.log_dir}/rank-N.log"
+        return report
+
+    def logs(self, rank: int) -> str:
+        """Everything rank `rank` wrote during the failed call."""
+        if self.log_dir is None:
+            raise FileNotFoundError("this call kept no log files (log_dir=False)")
+        return (self.log_dir / f"rank-{rank}.log").read_text(encoding="utf-8", errors="replace")
 
 
 def is_secondary(failure: RankFailure) -> bool:
@@ -91,7 +103,9 @@ def format_report(root: RankFailure, failures: Sequence[RankFailure]) -> str:
     return "\n".join(lines)
 
 
-def distributed_error(failures: Sequence[RankFailure]) -> DistributedError:
+def distributed_error(
+    failures: Sequence[RankFailure], log_dir: Path | None = None
+) -> DistributedError:
     """A DistributedError for `failures`, also an instance of the root cause's type."""
     ordered = order_failures(failures)
     root = ordered[0]
@@ -104,6 +118,7 @@ def distributed_error(failures: Sequence[RankFailure]) -> DistributedError:
         Exception.__init__(error, describe(root))
     error.root_cause = root
     error.failures = ordered
+    error.log_dir = log_dir
     return error
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -10,6 +11,7 @@ from ray.exceptions import RayActorError
 
 from orchestrator.errors import CRASH, distributed_error
 from orchestrator.pool import Pool
+from workers.capture import EXIT_STREAM
 from workers.protocol import Payload, RankFailure, RankResult
 
 _GATHER_S = 0.3
@@ -44,7 +46,8 @@ def run(pool: Pool, payload: Payload) -> list[Any]:
             if rank not in pool.drains and rank not in pool.dead:
                 pool.drains[rank] = actor.drain.remote(_DRAIN_POLL_S)
         draining = {ref: rank for rank, ref in pool.drains.items()}
-        timeout = None if deadline is None else deadline - now
+        wake = [t for t in (deadline, console.tick(now)) if t is not None]
+        timeout = max(0.0, min(wake) - now) if wake else None
         done, _ = ray.wait([*runs, *draining], num_returns=1, timeout=timeout)
         for ready in done:
             if ready in runs:
@@ -61,7 +64,7 @@ def run(pool: Pool, payload: Payload) -> list[Any]:
                 _show(pool, draining[ready], ready)
     console.flush()
     if failures:
-        raise distributed_error(failures)
+        raise distributed_error(failures, console.log_dir)
     return [results[rank] for rank in range(len(specs))]
 
 
@@ -72,7 +75,10 @@ def _show(pool: Pool, rank: int, ref: ray.ObjectRef) -> None:
     except RayActorError:
         pool.dead.add(rank)
         return
-    pool.console.write(rank, chunks)
+    for chunk in chunks:
+        if chunk.stream == EXIT_STREAM:
+            pool.exit_codes[rank] = int(chunk.data)
+    pool.console.write(rank, [c for c in chunks if c.stream != EXIT_STREAM])
 
 
 def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFailure:
@@ -89,14 +95,17 @@ def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFail
             pid=info.pid,
             time=time.time(),
             exc_type=CRASH,
-            message=_crash_reason(exc),
+            message=_crash_reason(exc, pool.exit_codes.get(rank)),
             traceback="",
         )
 
 
-def _crash_reason(exc: RayActorError) -> str:
-    for line in str(exc).splitlines():
-        lowered = line.lower()
-        if "exit" in lowered or "signal" in lowered or "killed" in lowered:
-            return f"its process died ({line.strip()})"
-    return "its process died"
+def _crash_reason(exc: RayActorError, exit_code: int | None) -> str:
+    if exit_code is not None:
+        return f"its process called os._exit({exit_code})"
+    detail = re.search(r"Worker exit detail: ([^.]*)", str(exc))
+    ray_says = f"; Ray says: {detail.group(1)}" if detail else ""
+    return (
+        "its process died without a word: killed by a signal (SIGKILL, SIGSEGV), "
+        f"the out-of-memory killer, or its node was lost{ray_says}"
+    )

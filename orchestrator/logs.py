@@ -1,67 +1,160 @@
-"""Driver side of rank output: prefixes, line assembly, the console."""
+"""Driver side of rank output: line assembly, progress bars, prefixes, console, log files."""
 
 from __future__ import annotations
 
 import codecs
+import os
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
 from workers.protocol import OutputChunk
+
+PARTIAL_DELAY_S = 0.2
+"""A line without its newline yet is shown after this long (a prompt, a progress bar)."""
+PROGRESS_INTERVAL_S = 1.0
+"""A progress bar redrawn with carriage returns is shown at most this often."""
+DEFAULT_PREFIX = "[{name} r{rank}]"
 
 _COLOURS = (36, 32, 33, 35, 34, 91, 92, 93, 94, 95, 96)
 # Markers Ray's worker writes to its own stdout/stderr for its log files.
 _RAY_MARKERS = (":actor_name:", ":task_name:", ":job_id:")
 
 
+@dataclass
+class _Stream:
+    """One rank's stdout or stderr: bytes in, whole lines out."""
+
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+    pending: str = ""
+    """Text after the last newline, cut to its last carriage-return segment."""
+    due: float | None = None
+    """When `pending` is to be shown even without its newline."""
+    shown: str = ""
+    """The pending text last shown, so an unchanged bar is not shown twice."""
+
+
 class Console:
-    """Writes each rank's output to the driver's stdout/stderr, one prefixed line at a time."""
+    """Writes each rank's lines to the driver's stdout/stderr with a prefix, and to files."""
 
-    def __init__(self, name: str, num_ranks: int) -> None:
-        """`name` is the job name shown in every prefix."""
+    def __init__(
+        self,
+        name: str,
+        num_ranks: int,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        show: Collection[int] | None = None,
+        log_dir: Path | None = None,
+    ) -> None:
+        """`show`: ranks whose lines go to the console (all when None); files get all."""
         self.name = name
-        self._partial: dict[tuple[int, str], str] = {}
-        self._decoders: dict[tuple[int, str], codecs.IncrementalDecoder] = {}
+        self.prefix = prefix
+        self.show = None if show is None else frozenset(show)
         self.printed = [0] * num_ranks
-        """Per rank, the seq of the last chunk written out."""
+        """Per rank, the seq of the last chunk taken in."""
+        self._streams: dict[tuple[int, str], _Stream] = {}
+        self._files: dict[int, TextIO] = {}
+        self.log_dir: Path | None = None
+        if log_dir is not None:
+            self.open_logs(log_dir)
 
-    def write(self, rank: int, chunks: Iterable[OutputChunk]) -> None:
-        """Show complete lines of `chunks` now; keep a trailing partial line for later."""
+    def open_logs(self, log_dir: Path) -> None:
+        """Start writing every rank's lines to `log_dir`/rank-N.log (closing older files)."""
+        self.close_logs()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self._files = {
+            rank: (log_dir / f"rank-{rank}.log").open("a", encoding="utf-8")
+            for rank in range(len(self.printed))
+        }
+
+    def close_logs(self) -> None:
+        """Flush and close the log files."""
+        for file in self._files.values():
+            file.close()
+        self._files = {}
+
+    def write(self, rank: int, chunks: Iterable[OutputChunk], now: float | None = None) -> None:
+        """Take in `chunks`: complete lines are shown at once, a partial line later."""
+        now = time.monotonic() if now is None else now
         for chunk in chunks:
             key = (rank, chunk.stream)
-            decoder = self._decoders.setdefault(key, _decoder())
-            text = self._partial.pop(key, "") + decoder.decode(chunk.data)
+            state = self._streams.setdefault(key, _Stream())
+            text = state.pending + state.decoder.decode(chunk.data)
             *lines, rest = text.split("\n")
             if lines:
-                self._emit(rank, chunk.stream, lines)
-            if rest:
-                self._partial[key] = rest
+                self._emit(rank, chunk.stream, [_rendered(line) for line in lines])
+                state.shown = ""
+                state.due = None
+            state.pending = rest[rest.rfind("\r", 0, len(rest.rstrip("\r"))) + 1 :]
+            if state.pending and state.due is None:
+                state.due = now + PARTIAL_DELAY_S
             self.printed[rank] = max(self.printed[rank], chunk.seq)
 
+    def tick(self, now: float | None = None) -> float | None:
+        """Show partial lines that are due; return when the next one will be."""
+        now = time.monotonic() if now is None else now
+        upcoming = None
+        for (rank, stream), state in sorted(self._streams.items()):
+            if state.due is None:
+                continue
+            if state.due <= now:
+                text = _rendered(state.pending)
+                if text and text != state.shown:
+                    self._emit(rank, stream, [text])
+                    state.shown = text
+                state.due = now + PROGRESS_INTERVAL_S
+            upcoming = state.due if upcoming is None else min(upcoming, state.due)
+        return upcoming
+
     def flush(self) -> None:
-        """Write out every partial line (the end of a call)."""
-        for (rank, stream), rest in sorted(self._partial.items()):
-            self._emit(rank, stream, [rest])
-        self._partial.clear()
+        """Show every partial line not yet shown (the end of a call) and flush the files."""
+        for (rank, stream), state in sorted(self._streams.items()):
+            text = _rendered(state.pending)
+            if text and text != state.shown:
+                self._emit(rank, stream, [text])
+            state.pending, state.shown, state.due = "", "", None
+        for file in self._files.values():
+            file.flush()
 
     def _emit(self, rank: int, stream: str, lines: list[str]) -> None:
         lines = [line for line in lines if not line.startswith(_RAY_MARKERS)]
         if not lines:
             return
+        file = self._files.get(rank)
+        if file is not None:
+            file.write("".join(f"{line}\n" for line in lines))
+        if self.show is not None and rank not in self.show:
+            return
         out: TextIO = sys.stdout if stream == "stdout" else sys.stderr
-        prefix = f"[{self.name} r{rank}]"
-        if _is_tty(out):
+        prefix = self.prefix.format(name=self.name, rank=rank)
+        if prefix and _is_tty(out):
             prefix = f"\x1b[{_COLOURS[rank % len(_COLOURS)]}m{prefix}\x1b[0m"
-        out.write("".join(f"{prefix} {line.rstrip(chr(13))}\n" for line in lines))
+        sep = " " if prefix else ""
+        out.write("".join(f"{prefix}{sep}{line}\n" for line in lines))
         out.flush()
 
 
-def _decoder() -> codecs.IncrementalDecoder:
-    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+def _rendered(line: str) -> str:
+    """What a terminal would show for `line`: its last carriage-return segment."""
+    line = line.rstrip("\r")
+    return line[line.rfind("\r") + 1 :]
 
 
 def _is_tty(stream: TextIO) -> bool:
+    if os.environ.get("NO_COLOR"):
+        return False
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def read_log(log_dir: Path, rank: int) -> str:
+    """The text rank `rank` wrote in the call whose logs are in `log_dir`."""
+    return (log_dir / f"rank-{rank}.log").read_text(encoding="utf-8", errors="replace")

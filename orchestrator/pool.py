@@ -34,15 +34,18 @@ class Pool:
         simulate_nodes: bool,
         env: Mapping[str, str],
         runtime_env: Mapping[str, Any] | None,
+        console: Console,
     ) -> None:
         """Reserve one bundle per node, start one actor per rank and learn where they are."""
         self.name = name
         self.request = request
         self.actors: list[Any] = []
-        self.console = Console(name, request.num_replicas)
+        self.console = console
         self.drains: dict[int, ray.ObjectRef] = {}
         """Per rank, the output request in flight (kept across calls)."""
         self.dead: set[int] = set()
+        self.exit_codes: dict[int, int] = {}
+        """Statuses ranks passed to os._exit, as they reported them just before."""
         self.pg = placement_group(
             [request.bundle()] * request.num_nodes,
             strategy="PACK" if simulate_nodes else "STRICT_SPREAD",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -137,25 +138,34 @@ def test_rank_exception_raised_at_once_and_pool_recovers(cluster, capfd):
     wait_resources_back()
 
 
-def test_crashed_rank_is_reported_as_a_crash(cluster, capfd):
-    def die_on_rank_1() -> int:
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_crashed_rank_is_reported_as_a_crash(cluster, capfd, how):
+    def die_on_rank_1(how: str) -> int:
         if os.environ["RANK"] == "1":
-            print("last words of rank 1", flush=True)
-            time.sleep(0.2)
-            os._exit(3)
+            print("last words of rank 1")
+            if how == "exit":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
         return 0
 
     fn = distribute(die_on_rank_1, num_replicas=4, replicas_per_node=2)
+    fn.fn = lambda how: 0  # start the pool first, so the timing below is the crash's alone
+    fn("warm")
+    fn.fn = die_on_rank_1
     started = time.monotonic()
     with pytest.raises(DistributedError) as info:
-        fn()
-    assert time.monotonic() - started < 20
+        fn(how)
+    assert time.monotonic() - started < 10
     assert info.value.root_cause.rank == 1
     assert info.value.root_cause.exc_type == "crash"
-    assert "rank 1 (local rank 1)" in str(info.value)
-    assert "crashed" in str(info.value)
-    assert "last words of rank 1" in capfd.readouterr().out
+    text = str(info.value)
+    assert text.startswith("rank 1 (local rank 1)")
+    if how == "exit":
+        assert "crashed: its process called os._exit(3)" in text
+        assert "last words of rank 1" in capfd.readouterr().out  # shown though it died at once
+    else:
+        assert "killed by a signal" in text
     fn.shutdown()
     wait_resources_back()
 
@@ -253,3 +263,24 @@ def test_every_line_arrives_once_in_order_before_the_call_returns(cluster, capfd
         mine = [line[len(prefix):] for line in captured.out.splitlines() if line.startswith(prefix)]
         assert mine == [f"line {i} of rank {rank}" for i in range(2000)]
         assert f"{prefix}last stderr of rank {rank}" in captured.err
+
+
+def test_log_ranks_and_per_rank_log_files(cluster, capfd, tmp_path):
+    def talk() -> None:
+        rank = os.environ["RANK"]
+        print(f"hello from {rank}")
+        if rank == "1":
+            raise RuntimeError("rank 1 gives up")
+
+    fn = distribute(talk, num_replicas=2, replicas_per_node=1, log_ranks=[0], log_dir=tmp_path)
+    with pytest.raises(DistributedError) as info:
+        fn()
+    out = capfd.readouterr().out
+    assert "[talk r0] hello from 0" in out
+    assert "hello from 1" not in out  # not shown on the console ...
+    assert info.value.logs(1) == "hello from 1\n"  # ... but kept
+    assert info.value.log_dir == fn.log_dir
+    assert fn.log_dir is not None and fn.log_dir.parent == tmp_path / "talk"
+    assert fn.logs(0) == "hello from 0\n"
+    assert f"{fn.log_dir}/rank-N.log" in str(info.value)
+    fn.shutdown()

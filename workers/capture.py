@@ -7,12 +7,16 @@ import os
 import select
 import sys
 import threading
+import time
 
 from workers.protocol import OutputChunk
 
 _READ = 1 << 16
 _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
 _BUFFER_LIMIT = 64 << 20  # undrained bytes kept; older ones are dropped with a notice
+EXIT_STREAM = "exit"
+"""The pseudo-stream of the chunk that carries the status a rank passed to os._exit."""
+_EXIT_GRACE_S = 1.0  # how long os._exit waits for the driver to take the last output
 
 
 class Capture:
@@ -43,6 +47,24 @@ class Capture:
             with contextlib.suppress(AttributeError, ValueError):
                 stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         threading.Thread(target=self._pump, name="output-capture", daemon=True).start()
+        self._hook_exit()
+
+    def _hook_exit(self) -> None:
+        """Make os._exit hand the last lines to the driver first: they explain the exit."""
+        real_exit = os._exit
+
+        def _exit(status: int) -> None:
+            with contextlib.suppress(Exception):
+                self.sync()
+                self._append(EXIT_STREAM, str(status).encode())
+                deadline = time.monotonic() + _EXIT_GRACE_S
+                with self._cond:
+                    self._cond.wait_for(lambda: not self._chunks, timeout=_EXIT_GRACE_S)
+                # The driver's request has taken the chunks; let its reply leave.
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            real_exit(status)
+
+        os._exit = _exit
 
     def drain(self, timeout: float) -> list[OutputChunk]:
         """Chunks not yet drained, waiting up to `timeout` s for the first one."""
@@ -50,6 +72,7 @@ class Capture:
             if not self._chunks:
                 self._cond.wait(timeout)
             chunks, self._chunks, self._buffered = self._chunks, [], 0
+            self._cond.notify_all()  # os._exit may be waiting for this
         return chunks
 
     def sync(self) -> int:
