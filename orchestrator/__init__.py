@@ -4,6 +4,7 @@ from orchestrator.distribute import DistributedFunction, distribute
 from orchestrator.errors import (
     ConfigError,
     DistributedError,
+    JobTimeoutError,
     OrchestratorError,
     PlacementError,
 )
@@ -12,6 +13,7 @@ __all__ = [
     "ConfigError",
     "DistributedError",
     "DistributedFunction",
+    "JobTimeoutError",
     "OrchestratorError",
     "PlacementError",
     "distribute",

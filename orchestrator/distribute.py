@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import re
@@ -9,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -48,6 +49,8 @@ class Options:
     """Ranks shown on the console (None: all); the log files keep every rank."""
     log_dir: Path | None = None
     """Where each call's rank-N.log files go, in a folder per call; None: no files."""
+    timeout: float | None = None
+    """Seconds a call may run before it is stopped with every rank's stacks."""
 
 
 def default_log_dir() -> Path:
@@ -98,13 +101,33 @@ class DistributedFunction(Generic[P, R]):
                 self.log_dir = self.options.log_dir / self.name / folder
                 pool.console.open_logs(self.log_dir)
             try:
-                return job.run(pool, data)
+                return job.run(pool, data, self.options.timeout)
+            except KeyboardInterrupt:
+                self._holder.release()
+                raise KeyboardInterrupt(
+                    f"interrupted: all {self.options.num_replicas} ranks of {self.name} were "
+                    "stopped; the next call starts fresh ones"
+                ) from None
             except BaseException:
                 # Ranks may be stuck in a collective: replace the whole pool next time.
                 self._holder.release()
                 raise
             finally:
                 pool.console.close_logs()
+
+    def with_options(self, *, timeout: float | None) -> DistributedFunction[P, R]:
+        """The same function and warm pool with other per-call options (e.g. a timeout)."""
+        problems = _validate_timeout(timeout)
+        if problems:
+            raise ConfigError(problems[0])
+        clone = copy.copy(self)
+        clone.options = replace(self.options, timeout=timeout)
+        return clone
+
+    def stacks(self) -> dict[int, str]:
+        """Each rank's current stacks, by rank, from any thread while a call runs."""
+        pool = self._holder.pool
+        return job.stacks(pool) if pool else {}
 
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during the last call."""
@@ -195,13 +218,15 @@ def distribute(
     log_prefix: str = DEFAULT_PREFIX,
     log_ranks: Collection[int] | None = None,
     log_dir: str | os.PathLike[str] | bool | None = True,
+    timeout: float | None = None,
 ) -> DistributedFunction[P, R]:
     """Make `fn` a function that runs on `num_replicas` ranks of a torch.distributed job.
 
     Nothing starts until the first call; the ranks' actors then stay warm for the
     next call until `.shutdown()`, the end of a `with` block, or interpreter exit.
     `log_dir=True` keeps each call's per-rank logs under `default_log_dir()`; a path
-    puts them there instead; False keeps none.
+    puts them there instead; False keeps none. `timeout` (seconds) stops a call that
+    runs longer with a JobTimeoutError showing every rank's stacks.
     """
     if log_dir is True:
         folder: Path | None = default_log_dir()
@@ -222,6 +247,7 @@ def distribute(
         log_prefix=log_prefix,
         log_ranks=None if log_ranks is None else tuple(log_ranks),
         log_dir=folder,
+        timeout=timeout,
     )
     problems = validate(fn, options)
     if problems:
@@ -277,7 +303,14 @@ def validate(fn: object, o: Options) -> list[str]:  # noqa: PLR0912 - one check 
     if o.runtime_env is not None and not isinstance(o.runtime_env, Mapping):
         problems.append(f"runtime_env={o.runtime_env!r}: must be a dict, as for ray.init")
     problems += _validate_logs(o)
+    problems += _validate_timeout(o.timeout)
     return problems
+
+
+def _validate_timeout(timeout: object) -> list[str]:
+    if timeout is None or (_is_number(timeout) and timeout > 0):  # type: ignore[operator]
+        return []
+    return [f"timeout={timeout!r}: must be a number of seconds > 0, or None for no limit"]
 
 
 def _validate_logs(o: Options) -> list[str]:

@@ -4,8 +4,10 @@ OrchestratorError
  ├── ConfigError (also ValueError)   a bad argument, raised before anything starts
  ├── PlacementError                  the cluster can never hold the request
  └── DistributedError                a call failed on one or more ranks; its class
-                                     also derives from the root cause's type, so
-                                     `except ValueError:` catches a rank's ValueError
+      │                              also derives from the root cause's type, so
+      │                              `except ValueError:` catches a rank's ValueError
+      └── JobTimeoutError            the call ran past its time limit (also TimeoutError);
+                                     carries every rank's current stacks
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ class PlacementError(OrchestratorError):
 class DistributedError(OrchestratorError):
     """A call failed: the root cause first, then every other failed rank."""
 
-    root_cause: RankFailure
+    root_cause: RankFailure | None
+    """The first failure in time that is not a consequence of another (None: a timeout)."""
     failures: list[RankFailure]
     log_dir: Path | None
     """The failed call's per-rank log files (rank-N.log), every rank's output."""
 
     def __str__(self) -> str:
         """The full report (the message is built from the failure records)."""
+        if self.root_cause is None:
+            return super().__str__()
         report = format_report(self.root_cause, self.failures)
         if self.log_dir is not None:
             report += f"\n\nEvery rank's output: {self.log_dir}/rank-N.log"
@@ -62,6 +67,42 @@ class DistributedError(OrchestratorError):
         if self.log_dir is None:
             raise FileNotFoundError("this call kept no log files (log_dir=False)")
         return (self.log_dir / f"rank-{rank}.log").read_text(encoding="utf-8", errors="replace")
+
+
+class JobTimeoutError(DistributedError, TimeoutError):
+    """A call ran past its `timeout`; shows where every rank was."""
+
+    timeout: float
+    stacks: dict[int, str]
+    """Per rank, the current stack of each of its threads (or why none could be had)."""
+    where: dict[int, str]
+    """Per rank, 'rank 2 (local rank 0) on IP (host H, pid P)'."""
+
+    def __str__(self) -> str:
+        """Every rank's stacks, so a deadlock can be read from the error alone."""
+        lines = [
+            f"the call did not finish within {self.timeout:g} s; every rank was stopped. "
+            "Where each rank was:"
+        ]
+        for rank in sorted(self.stacks):
+            lines += ["", f"--- {self.where.get(rank, f'rank {rank}')} ---", self.stacks[rank]]
+        if self.log_dir is not None:
+            lines += ["", f"Every rank's output: {self.log_dir}/rank-N.log"]
+        return "\n".join(lines)
+
+
+def timeout_error(
+    timeout: float, stacks: dict[int, str], where: dict[int, str], log_dir: Path | None
+) -> JobTimeoutError:
+    """A JobTimeoutError for a call stopped after `timeout` seconds."""
+    error = JobTimeoutError(f"the call did not finish within {timeout:g} s")
+    error.timeout = timeout
+    error.stacks = stacks
+    error.where = where
+    error.log_dir = log_dir
+    error.root_cause = None
+    error.failures = []
+    return error
 
 
 def is_secondary(failure: RankFailure) -> bool:
@@ -77,11 +118,15 @@ def order_failures(failures: Sequence[RankFailure]) -> list[RankFailure]:
     return [root] + [f for f in by_time if f is not root]
 
 
+def describe_rank(rank: int, local_rank: int, node_ip: str, hostname: str, pid: int) -> str:
+    """'rank 2 (local rank 0) on 10.0.0.2 (host h, pid 123)'."""
+    return f"rank {rank} (local rank {local_rank}) on {node_ip} (host {hostname}, pid {pid})"
+
+
 def describe(failure: RankFailure, limit: int | None = None) -> str:
     """One line naming the rank, where it ran and what happened (message cut at `limit`)."""
-    where = (
-        f"rank {failure.rank} (local rank {failure.local_rank}) on {failure.node_ip} "
-        f"(host {failure.hostname}, pid {failure.pid})"
+    where = describe_rank(
+        failure.rank, failure.local_rank, failure.node_ip, failure.hostname, failure.pid
     )
     if failure.exc_type == CRASH:
         return f"{where} crashed: {failure.message}"

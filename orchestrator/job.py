@@ -9,7 +9,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from orchestrator.errors import CRASH, distributed_error
+from orchestrator.errors import CRASH, describe_rank, distributed_error, timeout_error
 from orchestrator.pool import Pool
 from workers.capture import EXIT_STREAM
 from workers.protocol import Payload, RankFailure, RankResult
@@ -20,7 +20,11 @@ _DRAIN_POLL_S = 30.0
 """How long one output request waits on an idle rank before returning empty."""
 
 
-def run(pool: Pool, payload: Payload) -> list[Any]:
+_STACKS_WAIT_S = 3.0
+"""How long to wait for the ranks' stacks before reporting without them."""
+
+
+def run(pool: Pool, payload: Payload, timeout: float | None = None) -> list[Any]:
     """Run the shipped function on every rank of `pool`; results by rank.
 
     Ranks are watched as they complete, not in rank order. On the first failure the
@@ -38,17 +42,22 @@ def run(pool: Pool, payload: Payload) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[RankFailure] = []
     deadline: float | None = None
+    time_limit = None if timeout is None else time.monotonic() + timeout
     while runs or any(console.printed[r] < seq for r, seq in owed.items() if r not in pool.dead):
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             break
+        if time_limit is not None and now >= time_limit and runs:
+            console.flush()
+            where = {rank: _where(pool, rank) for rank in range(len(specs))}
+            raise timeout_error(timeout or 0.0, stacks(pool), where, console.log_dir)
         for rank, actor in enumerate(pool.actors):
             if rank not in pool.drains and rank not in pool.dead:
                 pool.drains[rank] = actor.drain.remote(_DRAIN_POLL_S)
         draining = {ref: rank for rank, ref in pool.drains.items()}
-        wake = [t for t in (deadline, console.tick(now)) if t is not None]
-        timeout = max(0.0, min(wake) - now) if wake else None
-        done, _ = ray.wait([*runs, *draining], num_returns=1, timeout=timeout)
+        wake = [t for t in (deadline, time_limit, console.tick(now)) if t is not None]
+        wait_s = max(0.0, min(wake) - now) if wake else None
+        done, _ = ray.wait([*runs, *draining], num_returns=1, timeout=wait_s)
         for ready in done:
             if ready in runs:
                 outcome = _outcome(pool, runs.pop(ready), ready)
@@ -66,6 +75,24 @@ def run(pool: Pool, payload: Payload) -> list[Any]:
     if failures:
         raise distributed_error(failures, console.log_dir)
     return [results[rank] for rank in range(len(specs))]
+
+
+def stacks(pool: Pool) -> dict[int, str]:
+    """Each rank's current stacks, asked of all ranks at once; never blocks for long."""
+    refs = {actor.stacks.remote(): rank for rank, actor in enumerate(pool.actors)}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_STACKS_WAIT_S)
+    found = {rank: f"(no answer within {_STACKS_WAIT_S:g} s)" for rank in refs.values()}
+    for ref in done:
+        try:
+            found[refs[ref]] = ray.get(ref)
+        except RayActorError:
+            found[refs[ref]] = "(its process is gone)"
+    return found
+
+
+def _where(pool: Pool, rank: int) -> str:
+    info = pool.infos[rank]
+    return describe_rank(rank, pool.specs[rank].local_rank, info.node_ip, info.hostname, info.pid)
 
 
 def _show(pool: Pool, rank: int, ref: ray.ObjectRef) -> None:

@@ -117,7 +117,7 @@ def find_unpicklable(
     for label, value in _parts(fn, args, kwargs, depth=0):
         try:
             cloudpickle.dumps(value)
-        except Exception:  # noqa: BLE001, PERF203 - probing is the point
+        except Exception:  # noqa: BLE001 - probing is the point
             return f"{label} (a {type(value).__module__}.{type(value).__qualname__})"
     return None
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 
-from orchestrator import DistributedError, PlacementError, distribute
+from orchestrator import DistributedError, JobTimeoutError, PlacementError, distribute
 from tests.conftest import GPUS_PER_NODE, wait_resources_back
 
 
@@ -283,4 +283,56 @@ def test_log_ranks_and_per_rank_log_files(cluster, capfd, tmp_path):
     assert fn.log_dir is not None and fn.log_dir.parent == tmp_path / "talk"
     assert fn.logs(0) == "hello from 0\n"
     assert f"{fn.log_dir}/rank-N.log" in str(info.value)
+    fn.shutdown()
+
+
+def _deadlock() -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    buf = torch.zeros(1)
+    if dist.get_rank() == 0:
+        dist.recv(buf, src=1)  # rank 1 never sends
+    else:
+        dist.barrier()
+
+
+def test_timeout_shows_where_every_rank_is_blocked(cluster):
+    fn = distribute(_deadlock, num_replicas=2, replicas_per_node=1, timeout=60)
+    started = time.monotonic()
+    with pytest.raises(JobTimeoutError) as info:
+        fn.with_options(timeout=5)()
+    assert time.monotonic() - started < 15
+    err = info.value
+    assert isinstance(err, TimeoutError)
+    assert "dist.recv(buf, src=1)" in err.stacks[0]
+    assert "dist.barrier()" in err.stacks[1]
+    text = str(err)
+    assert "did not finish within 5 s" in text
+    assert text.index("--- rank 0") < text.index("dist.recv") < text.index("--- rank 1")
+    # The stuck pool was replaced: the function works again.
+    fn.fn = lambda: os.environ["RANK"]
+    assert fn() == ["0", "1"]
+    fn.shutdown()
+    wait_resources_back()
+
+
+def test_stacks_on_demand_while_a_call_runs(cluster):
+    import threading
+
+    def nap() -> None:
+        time.sleep(3)
+
+    fn = distribute(nap, num_replicas=2, replicas_per_node=1)
+    fn.fn = lambda: None
+    fn()  # warm
+    fn.fn = nap
+    worker = threading.Thread(target=fn)
+    worker.start()
+    time.sleep(1.5)
+    seen = fn.stacks()
+    worker.join()
+    assert sorted(seen) == [0, 1]
+    assert all("time.sleep(3)" in text for text in seen.values())
     fn.shutdown()

@@ -28,6 +28,7 @@ def test_public_api_is_small_and_stable():
         "ConfigError",
         "DistributedError",
         "DistributedFunction",
+        "JobTimeoutError",
         "OrchestratorError",
         "PlacementError",
         "distribute",

@@ -13,7 +13,7 @@ from typing import Any
 import cloudpickle
 import ray
 
-from workers import environment
+from workers import environment, stacks
 from workers.capture import Capture
 from workers.protocol import NodeInfo, OutputChunk, Payload, RankFailure, RankResult, RankSpec
 
@@ -55,6 +55,11 @@ class RankActor:
     def drain(self, timeout: float) -> list[OutputChunk]:
         """Output not yet sent to the driver, waiting up to `timeout` s for some."""
         return self._capture.drain(timeout)
+
+    @ray.method(concurrency_group="control")
+    def stacks(self) -> str:
+        """The current stack of each of this rank's threads, without disturbing them."""
+        return stacks.current_stacks()
 
     def open_store(self) -> int:
         """Serve the next call's rendezvous store on a port the OS picks; return it."""

@@ -1,0 +1,62 @@
+"""The current Python stack of each thread of a rank, for hangs and on demand."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from pathlib import Path
+from types import FrameType
+
+import ray
+
+_OURS = str(Path(__file__).resolve().parent)
+_RAY = str(Path(ray.__file__).resolve().parent)
+
+
+def current_stacks(entry: str = "run") -> str:
+    """Each user-visible thread's stack, innermost call last.
+
+    The thread running the rank's function is shown from the function down (the
+    actor's own frames are cut); threads that belong to Ray or to this package are left out.
+    """
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    blocks = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        frames = _frames(frame)
+        user = _after_entry(frames, entry)
+        if user is not None:
+            title = f"Thread {names.get(ident, ident)} (running the function)"
+        elif any(_is_ours(f) for f in frames):
+            continue
+        else:
+            user = frames
+            title = f"Thread {names.get(ident, ident)}"
+        summary = traceback.StackSummary.extract(
+            ((f, f.f_lineno) for f in user), capture_locals=False
+        )
+        blocks.append(f"{title}:\n{''.join(summary.format()).rstrip()}")
+    return "\n\n".join(blocks) or "(no thread is running Python code)"
+
+
+def _frames(frame: FrameType | None) -> list[FrameType]:
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames[::-1]  # outermost first
+
+
+def _after_entry(frames: list[FrameType], entry: str) -> list[FrameType] | None:
+    for i, f in enumerate(frames):
+        if f.f_code.co_name == entry and f.f_code.co_filename.startswith(_OURS):
+            return frames[i + 1 :]
+    return None
+
+
+def _is_ours(frame: FrameType) -> bool:
+    name = frame.f_code.co_filename
+    return name.startswith((_OURS, _RAY)) or "concurrent/futures" in name
