@@ -51,6 +51,8 @@ class Options:
     """Where each call's rank-N.log files go, in a folder per call; None: no files."""
     timeout: float | None = None
     """Seconds a call may run before it is stopped with every rank's stacks."""
+    post_mortem: bool = False
+    """A rank that raises opens pdb in the failing frame and waits for an attach."""
 
 
 def default_log_dir() -> Path:
@@ -198,6 +200,7 @@ class DistributedFunction(Generic[P, R]):
             env=env,
             runtime_env=opts.runtime_env,
             console=console,
+            post_mortem=opts.post_mortem,
         )
         self._holder.pool = pool
         return pool
@@ -219,6 +222,7 @@ def distribute(
     log_ranks: Collection[int] | None = None,
     log_dir: str | os.PathLike[str] | bool | None = True,
     timeout: float | None = None,
+    post_mortem: bool = False,
 ) -> DistributedFunction[P, R]:
     """Make `fn` a function that runs on `num_replicas` ranks of a torch.distributed job.
 
@@ -226,7 +230,8 @@ def distribute(
     next call until `.shutdown()`, the end of a `with` block, or interpreter exit.
     `log_dir=True` keeps each call's per-rank logs under `default_log_dir()`; a path
     puts them there instead; False keeps none. `timeout` (seconds) stops a call that
-    runs longer with a JobTimeoutError showing every rank's stacks.
+    runs longer with a JobTimeoutError showing every rank's stacks. `breakpoint()` in
+    `fn` and `post_mortem=True` open pdb on that rank; its output says how to attach.
     """
     if log_dir is True:
         folder: Path | None = default_log_dir()
@@ -248,6 +253,7 @@ def distribute(
         log_ranks=None if log_ranks is None else tuple(log_ranks),
         log_dir=folder,
         timeout=timeout,
+        post_mortem=bool(post_mortem),
     )
     problems = validate(fn, options)
     if problems:

@@ -35,6 +35,7 @@ class Pool:
         env: Mapping[str, str],
         runtime_env: Mapping[str, Any] | None,
         console: Console,
+        post_mortem: bool = False,
     ) -> None:
         """Reserve one bundle per node, start one actor per rank and learn where they are."""
         self.name = name
@@ -52,12 +53,14 @@ class Pool:
             name=f"{name}-{uuid.uuid4().hex[:8]}",
         )
         try:
-            self._start(env, runtime_env)
+            self._start(env, runtime_env, post_mortem)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self, env: Mapping[str, str], runtime_env: Mapping[str, Any] | None) -> None:
+    def _start(
+        self, env: Mapping[str, str], runtime_env: Mapping[str, Any] | None, post_mortem: bool
+    ) -> None:
         request = self.request
         ready = self.pg.ready()
         done, _ = ray.wait([ready], timeout=_WAIT_NOTICE_S)
@@ -90,7 +93,7 @@ class Pool:
         infos: list[NodeInfo] = ray.get([a.info.remote() for a in self.actors])
         self.infos = infos
         self.next_port: int = ray.get(self.actors[0].open_store.remote())
-        self.specs = _specs(self.name, request, slots, infos, env)
+        self.specs = _specs(self.name, request, slots, infos, env, post_mortem=post_mortem)
 
     def specs_for_call(self) -> list[RankSpec]:
         """Each rank's spec with this call's MASTER_PORT."""
@@ -116,6 +119,8 @@ def _specs(
     slots: list[placement.Slot],
     infos: list[NodeInfo],
     env: Mapping[str, str],
+    *,
+    post_mortem: bool,
 ) -> list[RankSpec]:
     by_node: dict[int, list[tuple[str, ...]]] = {}
     for slot, info in zip(slots, infos, strict=True):
@@ -135,6 +140,8 @@ def _specs(
             cuda_visible_devices=devices[slot.node_rank],
             interface=info.interface,
             cpus=request.cpus_per_replica,
+            node_ip=info.node_ip,
+            post_mortem=post_mortem,
             env=dict(env),
         )
         for slot, info in zip(slots, infos, strict=True)

@@ -336,3 +336,79 @@ def test_stacks_on_demand_while_a_call_runs(cluster):
     assert sorted(seen) == [0, 1]
     assert all("time.sleep(3)" in text for text in seen.values())
     fn.shutdown()
+
+
+def _attach_and_talk(capfd, commands: list[str]) -> str:
+    """Wait for a rank's attach line, then drive its pdb with `commands`."""
+    import re
+    import socket
+
+    seen = ""
+    deadline = time.monotonic() + 60
+    while (match := re.search(r"orchestrator attach ([\d.]+):(\d+)", seen)) is None:
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.2)
+        seen += capfd.readouterr().err
+
+    def until_prompt(conn: socket.socket) -> bytes:
+        data = b""
+        while not data.rstrip().endswith(b")"):  # "(Pdb rank N) "
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    with socket.create_connection((match.group(1), int(match.group(2))), timeout=30) as conn:
+        transcript = until_prompt(conn)
+        for command in commands:
+            conn.sendall(command.encode() + b"\n")
+            transcript += until_prompt(conn)
+        return transcript.decode()
+
+
+def test_breakpoint_on_one_rank_opens_a_debugger_the_driver_can_attach_to(cluster, capfd):
+    import threading
+
+    def stop_on_rank_1() -> int:
+        secret = 6 * 7
+        if os.environ["RANK"] == "1":
+            breakpoint()
+        return secret
+
+    fn = distribute(stop_on_rank_1, num_replicas=2, replicas_per_node=1)
+    results: list[list[int]] = []
+    call = threading.Thread(target=lambda: results.append(fn()))
+    call.start()
+    transcript = _attach_and_talk(capfd, ["p secret + 1", "c"])
+    call.join(timeout=60)
+    assert results == [[42, 42]]
+    assert "43" in transcript
+    fn.shutdown()
+
+
+def test_post_mortem_opens_the_failing_frame(cluster, capfd):
+    import threading
+
+    def fail_on_rank_0() -> None:
+        culprit = {"lr": -1}
+        if os.environ["RANK"] == "0":
+            raise ValueError("negative learning rate")
+        del culprit
+
+    fn = distribute(fail_on_rank_0, num_replicas=2, replicas_per_node=1, post_mortem=True)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    transcript = _attach_and_talk(capfd, ["p culprit", "c"])
+    caller.join(timeout=60)
+    assert "{'lr': -1}" in transcript
+    assert len(errors) == 1 and isinstance(errors[0], ValueError)
+    fn.shutdown()

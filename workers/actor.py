@@ -13,7 +13,7 @@ from typing import Any
 import cloudpickle
 import ray
 
-from workers import environment, stacks
+from workers import debugger, environment, stacks
 from workers.capture import Capture
 from workers.protocol import NodeInfo, OutputChunk, Payload, RankFailure, RankResult, RankSpec
 
@@ -86,6 +86,8 @@ class RankActor:
             value = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             when = time.time()  # before peers notice, so the root cause is the earliest
+            if spec.post_mortem and exc.__traceback__ is not None:
+                debugger.post_mortem(exc.__traceback__)
             _destroy_process_group()
             return self._failure(exc, when, setup=False)
         _destroy_process_group()

@@ -6,6 +6,7 @@ import fcntl
 import os
 import socket
 import struct
+import sys
 
 from workers.protocol import RankSpec
 
@@ -56,6 +57,7 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "OMP_NUM_THREADS": str(max(1, int(spec.cpus))),
+        "ORCHESTRATOR_NODE_IP": spec.node_ip,
     }
     if spec.cuda_visible_devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.cuda_visible_devices)
@@ -69,6 +71,14 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
 def apply(spec: RankSpec) -> None:
     """Set this process's environment for `spec` and bind its GPU, before user code."""
     os.environ.update(rank_env(spec))
+    # breakpoint() opens a pdb the driver's machine can attach to (Ray installs its
+    # own hook in workers); PYTHONBREAKPOINT in the user's env= still wins.
+    if "PYTHONBREAKPOINT" in spec.env:
+        sys.breakpointhook = sys.__breakpointhook__
+    else:
+        from workers import debugger
+
+        sys.breakpointhook = debugger.set_trace
     import torch  # late: CUDA must see CUDA_VISIBLE_DEVICES before it initializes
 
     threads = os.environ["OMP_NUM_THREADS"]

@@ -36,6 +36,9 @@ class RankSpec:
     """All GPUs of the job on this node, the rank's own at index `local_rank`."""
     interface: str | None = None
     cpus: float = 1.0
+    node_ip: str = ""
+    post_mortem: bool = False
+    """Open a debugger in the failing frame before reporting an exception."""
     env: dict[str, str] = field(default_factory=dict)
     """The user's extra variables; they win over ours."""
 
