@@ -66,7 +66,9 @@ class DistributedError(OrchestratorError):
         """Everything rank `rank` wrote during the failed call."""
         if self.log_dir is None:
             raise FileNotFoundError("this call kept no log files (log_dir=False)")
-        return (self.log_dir / f"rank-{rank}.log").read_text(encoding="utf-8", errors="replace")
+        from orchestrator.logs import read_log  # logs imports workers only; no cycle at import
+
+        return read_log(self.log_dir, rank)
 
 
 class JobTimeoutError(DistributedError, TimeoutError):

@@ -20,6 +20,8 @@ _DRAIN_POLL_S = 30.0
 """How long one output request waits on an idle rank before returning empty."""
 
 
+_INLINE_BYTES = 64 * 1024
+"""Payloads up to this size are sent with each rank's task instead of through ray.put."""
 _STACKS_WAIT_S = 3.0
 """How long to wait for the ranks' stacks before reporting without them."""
 
@@ -31,50 +33,89 @@ def run(pool: Pool, payload: Payload, timeout: float | None = None) -> list[Any]
     caller must tear the pool down (the other ranks may be blocked in a collective
     forever): a DistributedError is raised after a short wait for the others' reports.
     """
-    ref = ray.put(payload)  # once, whatever the number of ranks
-    specs = pool.specs_for_call()
-    runs = {
-        actor.run.remote(spec, ref): spec.rank
-        for actor, spec in zip(pool.actors, specs, strict=True)
-    }
-    console = pool.console
-    owed: dict[int, int] = {}  # rank -> output seq still to show before it counts as done
-    results: dict[int, Any] = {}
-    failures: list[RankFailure] = []
-    deadline: float | None = None
-    time_limit = None if timeout is None else time.monotonic() + timeout
-    while runs or any(console.printed[r] < seq for r, seq in owed.items() if r not in pool.dead):
-        now = time.monotonic()
-        if deadline is not None and now >= deadline:
-            break
-        if time_limit is not None and now >= time_limit and runs:
-            console.flush()
-            where = {rank: _where(pool, rank) for rank in range(len(specs))}
-            raise timeout_error(timeout or 0.0, stacks(pool), where, console.log_dir)
+    return _Call(pool, payload, timeout).wait()
+
+
+class _Call:
+    """The state of one call: ranks still running, output still owed, outcomes."""
+
+    def __init__(self, pool: Pool, payload: Payload, timeout: float | None) -> None:
+        self.pool = pool
+        self.timeout = timeout
+        # Large payloads go into the object store once, whatever the number of ranks;
+        # small ones travel inside each task, which saves every rank a fetch.
+        source_size = sum(len(line) for lines in payload.sources.values() for line in lines)
+        big = len(payload.call) + source_size > _INLINE_BYTES
+        shipped: Any = ray.put(payload) if big else payload
+        self.runs = {
+            actor.run.remote(spec, shipped): spec.rank
+            for actor, spec in zip(pool.actors, pool.specs_for_call(), strict=True)
+        }
+        self.owed: dict[int, int] = {}  # rank -> output seq to show before it counts as done
+        self.results: dict[int, Any] = {}
+        self.failures: list[RankFailure] = []
+        self.gather_until: float | None = None
+        self.time_limit = None if timeout is None else time.monotonic() + timeout
+
+    def wait(self) -> list[Any]:
+        """Watch every rank until all are done or one failed; results by rank."""
+        console = self.pool.console
+        while self._busy():
+            now = time.monotonic()
+            if self.gather_until is not None and now >= self.gather_until:
+                break
+            if self.time_limit is not None and now >= self.time_limit and self.runs:
+                self._time_out()
+            self._request_output()
+            draining = {ref: rank for rank, ref in self.pool.drains.items()}
+            wake = [t for t in (self.gather_until, self.time_limit, console.tick(now)) if t]
+            for ready in _ready([*self.runs, *draining], min(wake) - now if wake else None):
+                if ready in self.runs:
+                    self._take(_outcome(self.pool, self.runs.pop(ready), ready))
+                else:
+                    _show(self.pool, draining[ready], ready)
+        console.flush()
+        if self.failures:
+            raise distributed_error(self.failures, console.log_dir)
+        return [self.results[rank] for rank in range(len(self.pool.actors))]
+
+    def _busy(self) -> bool:
+        printed, dead = self.pool.console.printed, self.pool.dead
+        return bool(self.runs) or any(
+            printed[rank] < seq for rank, seq in self.owed.items() if rank not in dead
+        )
+
+    def _request_output(self) -> None:
+        pool = self.pool
         for rank, actor in enumerate(pool.actors):
             if rank not in pool.drains and rank not in pool.dead:
                 pool.drains[rank] = actor.drain.remote(_DRAIN_POLL_S)
-        draining = {ref: rank for rank, ref in pool.drains.items()}
-        wake = [t for t in (deadline, time_limit, console.tick(now)) if t is not None]
-        wait_s = max(0.0, min(wake) - now) if wake else None
-        done, _ = ray.wait([*runs, *draining], num_returns=1, timeout=wait_s)
-        for ready in done:
-            if ready in runs:
-                outcome = _outcome(pool, runs.pop(ready), ready)
-                owed[outcome.rank] = outcome.output_seq
-                if isinstance(outcome, RankFailure):
-                    failures.append(outcome)
-                    deadline = deadline or time.monotonic() + _GATHER_S
-                else:
-                    results[outcome.rank] = outcome.value
-                    if outcome.next_master_port is not None:
-                        pool.next_port = outcome.next_master_port
-            else:
-                _show(pool, draining[ready], ready)
-    console.flush()
-    if failures:
-        raise distributed_error(failures, console.log_dir)
-    return [results[rank] for rank in range(len(specs))]
+
+    def _take(self, outcome: RankResult | RankFailure) -> None:
+        self.owed[outcome.rank] = outcome.output_seq
+        if isinstance(outcome, RankFailure):
+            self.failures.append(outcome)
+            self.gather_until = self.gather_until or time.monotonic() + _GATHER_S
+            return
+        self.results[outcome.rank] = outcome.value
+        if outcome.next_master_port is not None:
+            self.pool.next_port = outcome.next_master_port
+
+    def _time_out(self) -> None:
+        self.pool.console.flush()
+        ranks = range(len(self.pool.actors))
+        where = {rank: _where(self.pool, rank) for rank in ranks}
+        log_dir = self.pool.console.log_dir
+        raise timeout_error(self.timeout or 0.0, stacks(self.pool), where, log_dir)
+
+
+def _ready(refs: list[ray.ObjectRef], wait_s: float | None) -> list[ray.ObjectRef]:
+    """Wait up to `wait_s` for one of `refs`; then take every other one ready too."""
+    done, rest = ray.wait(refs, num_returns=1, timeout=None if wait_s is None else max(0, wait_s))
+    if done and rest:
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+        done += more
+    return done
 
 
 def stacks(pool: Pool) -> dict[int, str]:

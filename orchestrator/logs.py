@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from workers.capture import RAY_MARKERS
 from workers.protocol import OutputChunk
 
 PARTIAL_DELAY_S = 0.2
@@ -20,8 +21,7 @@ PROGRESS_INTERVAL_S = 1.0
 DEFAULT_PREFIX = "[{name} r{rank}]"
 
 _COLOURS = (36, 32, 33, 35, 34, 91, 92, 93, 94, 95, 96)
-# Markers Ray's worker writes to its own stdout/stderr for its log files.
-_RAY_MARKERS = (":actor_name:", ":task_name:", ":job_id:")
+_RAY_MARKERS = tuple(marker.decode() for marker in RAY_MARKERS)
 
 
 @dataclass
@@ -64,14 +64,9 @@ class Console:
             self.open_logs(log_dir)
 
     def open_logs(self, log_dir: Path) -> None:
-        """Start writing every rank's lines to `log_dir`/rank-N.log (closing older files)."""
+        """Write every rank's lines to `log_dir`/rank-N.log from now on (created on first use)."""
         self.close_logs()
-        log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
-        self._files = {
-            rank: (log_dir / f"rank-{rank}.log").open("a", encoding="utf-8")
-            for rank in range(len(self.printed))
-        }
 
     def close_logs(self) -> None:
         """Flush and close the log files."""
@@ -122,13 +117,19 @@ class Console:
         for file in self._files.values():
             file.flush()
 
+    def _file(self, rank: int) -> TextIO:
+        if rank not in self._files:
+            assert self.log_dir is not None
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._files[rank] = (self.log_dir / f"rank-{rank}.log").open("a", encoding="utf-8")
+        return self._files[rank]
+
     def _emit(self, rank: int, stream: str, lines: list[str]) -> None:
         lines = [line for line in lines if not line.startswith(_RAY_MARKERS)]
         if not lines:
             return
-        file = self._files.get(rank)
-        if file is not None:
-            file.write("".join(f"{line}\n" for line in lines))
+        if self.log_dir is not None:
+            self._file(rank).write("".join(f"{line}\n" for line in lines))
         if self.show is not None and rank not in self.show:
             return
         out: TextIO = sys.stdout if stream == "stdout" else sys.stderr
@@ -156,5 +157,8 @@ def _is_tty(stream: TextIO) -> bool:
 
 
 def read_log(log_dir: Path, rank: int) -> str:
-    """The text rank `rank` wrote in the call whose logs are in `log_dir`."""
-    return (log_dir / f"rank-{rank}.log").read_text(encoding="utf-8", errors="replace")
+    """The text rank `rank` wrote in the call whose logs are in `log_dir` ("" if none)."""
+    try:
+        return (log_dir / f"rank-{rank}.log").read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""

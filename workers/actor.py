@@ -91,13 +91,20 @@ class RankActor:
             _destroy_process_group()
             return self._failure(exc, when, setup=False)
         _destroy_process_group()
-        next_port = self.open_store() if spec.rank == 0 else None
+        next_port = self._store_for_next_call() if spec.rank == 0 else None
         return RankResult(
             rank=spec.rank,
             value=value,
             output_seq=self._capture.sync(),
             next_master_port=next_port,
         )
+
+    def _store_for_next_call(self) -> int:
+        """A store no rank has written to is reused; a used one is never (stale keys)."""
+        if self._store is not None and self._store.num_keys() == 0:
+            self._next_store, self._store = self._store, None
+            return self._next_store.port
+        return self.open_store()
 
     def _failure(self, exc: BaseException, when: float, *, setup: bool) -> RankFailure:
         tb = exc.__traceback__

@@ -14,6 +14,8 @@ from workers.protocol import OutputChunk
 _READ = 1 << 16
 _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
 _BUFFER_LIMIT = 64 << 20  # undrained bytes kept; older ones are dropped with a notice
+RAY_MARKERS = (b":actor_name:", b":task_name:", b":job_id:")
+"""Lines Ray's worker writes to its stdout/stderr at each task, for its own log files."""
 EXIT_STREAM = "exit"
 """The pseudo-stream of the chunk that carries the status a rank passed to os._exit."""
 _EXIT_GRACE_S = 1.0  # how long os._exit waits for the driver to take the last output
@@ -113,7 +115,8 @@ class Capture:
             if not data:
                 return True
             taken += len(data)
-            self._append(stream, data)
+            if not _only_ray_markers(data):  # Ray's per-task markers must not wake the driver
+                self._append(stream, data)
         return False
 
     def _append(self, stream: str, data: bytes) -> None:
@@ -131,3 +134,8 @@ class Capture:
                     notice.encode() + self._chunks[0].data,
                 )
             self._cond.notify_all()
+
+
+def _only_ray_markers(data: bytes) -> bool:
+    lines = [line for line in data.split(b"\n") if line]
+    return bool(lines) and all(line.startswith(RAY_MARKERS) for line in lines)

@@ -82,7 +82,7 @@ def apply(spec: RankSpec) -> None:
     import torch  # late: CUDA must see CUDA_VISIBLE_DEVICES before it initializes
 
     threads = os.environ["OMP_NUM_THREADS"]
-    if threads.isdigit() and int(threads) > 0:
+    if threads.isdigit() and 0 < int(threads) != torch.get_num_threads():
         torch.set_num_threads(int(threads))
     has_gpu = spec.cuda_visible_devices and torch.cuda.is_available()
     if has_gpu and spec.local_rank < torch.cuda.device_count():
