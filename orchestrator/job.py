@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -45,8 +47,10 @@ class _Call:
         # Large payloads go into the object store once, whatever the number of ranks;
         # small ones travel inside each task, which saves every rank a fetch.
         source_size = sum(len(line) for lines in payload.sources.values() for line in lines)
-        big = len(payload.call) + source_size > _INLINE_BYTES
-        shipped: Any = ray.put(payload) if big else payload
+        shipped: Any = payload
+        if len(payload.call) + source_size > _INLINE_BYTES:
+            # Out of band, each rank reads the bytes in place from the object store.
+            shipped = ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
         self.runs = {
             actor.run.remote(spec, shipped): spec.rank
             for actor, spec in zip(pool.actors, pool.specs_for_call(), strict=True)

@@ -412,3 +412,18 @@ def test_post_mortem_opens_the_failing_frame(cluster, capfd):
     assert "{'lr': -1}" in transcript
     assert len(errors) == 1 and isinstance(errors[0], ValueError)
     fn.shutdown()
+
+
+def test_large_closure_travels_through_the_object_store(cluster):
+    import torch
+
+    weights = torch.arange(1_000_000, dtype=torch.float64)  # 8 MB: put once, read in place
+
+    def total() -> float:
+        weights.add_(1)  # each rank gets its own writable copy
+        return float(weights.sum())
+
+    with distribute(total, num_replicas=2, replicas_per_node=1) as fn:
+        expected = float(torch.arange(1_000_000, dtype=torch.float64).sum() + 1_000_000)
+        assert fn() == [expected, expected]
+        assert fn() == [expected, expected]  # the driver's tensor is untouched

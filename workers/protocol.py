@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 
 
@@ -80,8 +81,8 @@ class RankFailure:
 class Payload:
     """What one call ships to every rank, put in the object store once."""
 
-    call: bytes
-    """`(fn, args, kwargs)`, cloudpickled."""
+    call: bytes | pickle.PickleBuffer
+    """`(fn, args, kwargs)`, cloudpickled (a PickleBuffer, read in place, when large)."""
     sources: dict[str, list[str]]
     """Source lines of the code shipped by value, by file name, for tracebacks."""
 
