@@ -427,3 +427,46 @@ def test_large_closure_travels_through_the_object_store(cluster):
         expected = float(torch.arange(1_000_000, dtype=torch.float64).sum() + 1_000_000)
         assert fn() == [expected, expected]
         assert fn() == [expected, expected]  # the driver's tensor is untouched
+
+
+def test_interrupting_the_driver_stops_every_rank(cluster):
+    import threading
+
+    def stuck() -> None:
+        time.sleep(120)
+
+    fn = distribute(os.getpid, num_replicas=2, replicas_per_node=1)
+    pids = fn()
+    fn.fn = stuck
+    # As a notebook's stop button does: SIGINT to the main thread while it waits.
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(2.0, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt, match="all 2 ranks of getpid were stopped"):
+        fn()
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    fn.fn = os.getpid
+    assert len(fn()) == 2  # usable again, on fresh processes
+    fn.shutdown()
+    wait_resources_back()
+
+
+def test_tqdm_bar_on_rank_0_gives_a_bounded_number_of_lines(cluster, capfd):
+    def progress() -> None:
+        from tqdm import tqdm
+
+        if os.environ["RANK"] == "0":
+            for _ in tqdm(range(300), mininterval=0, miniters=1, desc="epoch 1"):
+                time.sleep(0.01)  # 300 redraws over about 3 s
+
+    with distribute(progress, num_replicas=2, replicas_per_node=1, name="bar") as fn:
+        fn()
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("[bar r0]")]
+    assert 1 <= len(lines) <= 10, lines
+    assert "300/300" in lines[-1]
+    assert all("\r" not in line for line in lines)
