@@ -130,6 +130,11 @@ def test_rank_exception_raised_at_once_and_pool_recovers(cluster, capfd):
     assert 'raise ValueError("boom")' in str(err)
     assert str(err).startswith("rank 2 (local rank 0)")
     assert "[raise_on_rank_2 r2] rank 2 about to fail" in capfd.readouterr().out
+    # The peers' errors caused by rank 2 leaving are listed after it, never as the cause.
+    assert err.failures[0].rank == 2
+    secondary = err.failures[1:]
+    assert secondary and all("Connection closed" in f.message for f in secondary)
+    assert "other rank(s) failed after it" in str(err)
 
     # The same function works again: the stuck pool was replaced.
     fn.fn = lambda: int(os.environ["RANK"])
@@ -249,20 +254,38 @@ def test_driver_exit_without_shutdown_leaves_nothing_behind(cluster, tmp_path):
 
 def test_every_line_arrives_once_in_order_before_the_call_returns(cluster, capfd):
     def flood(n: int) -> int:
+        import subprocess
+
         rank = os.environ["RANK"]
         for i in range(n):
             print(f"line {i} of rank {rank}")
+            if i % 1000 == 0:
+                os.write(1, f"fd1 {i} of rank {rank}\n".encode())
+                os.write(2, f"fd2 {i} of rank {rank}\n".encode())
+        sys.stdout.flush()
+        subprocess.run([sys.executable, "-c", f"print('child of rank {rank}')"], check=True)
         os.write(2, f"last stderr of rank {rank}".encode())  # no newline: still shown
         return n
 
     with distribute(flood, num_replicas=4, replicas_per_node=2, name="flood") as fn:
-        assert fn(2000) == [2000] * 4
+        assert fn(5000) == [5000] * 4
         captured = capfd.readouterr()
     for rank in range(4):
         prefix = f"[flood r{rank}] "
-        mine = [line[len(prefix):] for line in captured.out.splitlines() if line.startswith(prefix)]
-        assert mine == [f"line {i} of rank {rank}" for i in range(2000)]
-        assert f"{prefix}last stderr of rank {rank}" in captured.err
+        out = [line[len(prefix) :] for line in captured.out.splitlines() if line.startswith(prefix)]
+        err = [line[len(prefix) :] for line in captured.err.splitlines() if line.startswith(prefix)]
+        # stdout: the printed lines, exactly once and in order, then the child's line.
+        printed = [line for line in out if line.startswith("line ")]
+        assert printed == [f"line {i} of rank {rank}" for i in range(5000)]
+        assert [line for line in out if line.startswith("fd1 ")] == [
+            f"fd1 {i} of rank {rank}" for i in range(0, 5000, 1000)
+        ]
+        assert out[-1] == f"child of rank {rank}"
+        assert len(out) == 5000 + 5 + 1
+        # stderr stays stderr.
+        assert err == [f"fd2 {i} of rank {rank}" for i in range(0, 5000, 1000)] + [
+            f"last stderr of rank {rank}"
+        ]
 
 
 def test_log_ranks_and_per_rank_log_files(cluster, capfd, tmp_path):
