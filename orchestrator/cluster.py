@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -48,6 +49,42 @@ def connect(address: str | None, *, min_cpus: float = 0) -> bool:
         _start_local(min_cpus)
         _embedded = True
         return True
+
+
+_rank_pids: set[int] = set()
+_WORKER_PID = re.compile(r"Worker PID: (\d+)")
+
+
+def quiet_crash_notices(pids: list[int]) -> None:
+    """Drop Ray's own "(raylet) A worker died ..." notice for these ranks' processes.
+
+    The crash is reported, with its rank, by our own error; ORCHESTRATOR_VERBOSE=1
+    keeps Ray's notice. Ray offers no switch, so its printer is wrapped (when present).
+    """
+    _rank_pids.update(pids)
+    if os.environ.get("ORCHESTRATOR_VERBOSE"):
+        return
+    from ray._private import worker
+
+    original = getattr(worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def filtered(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            lines = [line for line in data.get("lines", []) if not _ours(line)]
+            if not lines:
+                return None
+            data = {**data, "lines": lines}
+        return original(data, ignore_prefix)
+
+    filtered.__wrapped__ = original  # type: ignore[attr-defined]
+    worker.print_to_stdstream = filtered
+
+
+def _ours(line: str) -> bool:
+    match = _WORKER_PID.search(line)
+    return match is not None and int(match.group(1)) in _rank_pids
 
 
 def nodes() -> list[Node]:

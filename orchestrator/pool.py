@@ -12,7 +12,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import placement
+from orchestrator import cluster, placement
 from orchestrator.logs import Console
 from orchestrator.placement import Request
 from workers.actor import CONCURRENCY_GROUPS, RankActor
@@ -92,6 +92,7 @@ class Pool:
             )
         infos: list[NodeInfo] = ray.get([a.info.remote() for a in self.actors])
         self.infos = infos
+        cluster.quiet_crash_notices([info.pid for info in infos])
         self.next_port: int = ray.get(self.actors[0].open_store.remote())
         self.specs = _specs(self.name, request, slots, infos, env, post_mortem=post_mortem)
 

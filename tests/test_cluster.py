@@ -166,11 +166,14 @@ def test_crashed_rank_is_reported_as_a_crash(cluster, capfd, how):
     assert info.value.root_cause.exc_type == "crash"
     text = str(info.value)
     assert text.startswith("rank 1 (local rank 1)")
+    time.sleep(1)  # Ray's own notice of the death, if any, arrives by now
+    captured = capfd.readouterr()
     if how == "exit":
         assert "crashed: its process called os._exit(3)" in text
-        assert "last words of rank 1" in capfd.readouterr().out  # shown though it died at once
+        assert "last words of rank 1" in captured.out  # shown though it died at once
     else:
         assert "killed by a signal" in text
+    assert "A worker died" not in captured.out + captured.err  # we report it, Ray need not
     fn.shutdown()
     wait_resources_back()
 
