@@ -10,11 +10,13 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.errors import CRASH, describe_rank, distributed_error, timeout_error
 from orchestrator.pool import Pool
 from workers.capture import EXIT_STREAM
-from workers.protocol import Payload, RankFailure, RankResult
+from workers.protocol import OutputChunk, Payload, RankFailure, RankResult
+from workers.tail import read_tail
 
 _GATHER_S = 0.3
 """After the first failure, how long to keep listening for the others' (for the report)."""
@@ -24,6 +26,8 @@ _DRAIN_POLL_S = 30.0
 
 _INLINE_BYTES = 64 * 1024
 """Payloads up to this size are sent with each rank's task instead of through ray.put."""
+_LEFTOVER_WAIT_S = 0.5
+"""How long to wait for a dead rank's keeper process to save its unread output."""
 _STACKS_WAIT_S = 3.0
 """How long to wait for the ranks' stacks before reporting without them."""
 
@@ -159,6 +163,7 @@ def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFail
     except RayActorError as exc:
         pool.dead.add(rank)
         info = pool.infos[rank]
+        last_words = _show_leftovers(pool, rank)
         return RankFailure(
             rank=rank,
             local_rank=pool.specs[rank].local_rank,
@@ -167,17 +172,47 @@ def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFail
             pid=info.pid,
             time=time.time(),
             exc_type=CRASH,
-            message=_crash_reason(exc, pool.exit_codes.get(rank)),
+            message=_crash_reason(exc, pool.exit_codes.get(rank), last_words),
             traceback="",
         )
 
 
-def _crash_reason(exc: RayActorError, exit_code: int | None) -> str:
+_remote_read_tail = ray.remote(num_cpus=0)(read_tail)
+
+
+def _show_leftovers(pool: Pool, rank: int) -> str:
+    """Show what a dead rank wrote in its last instant (saved by its keeper); return it."""
+    info = pool.infos[rank]
+    if not info.tail_path:
+        return ""
+    if info.node_id == ray.get_runtime_context().get_node_id():
+        leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
+    else:  # read on the rank's own node
+        affinity = NodeAffinitySchedulingStrategy(info.node_id, soft=False)
+        ref = _remote_read_tail.options(scheduling_strategy=affinity).remote(
+            info.tail_path, _LEFTOVER_WAIT_S
+        )
+        done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
+        leftovers = ray.get(done[0]) if done else None
+    shown = pool.console.printed[rank]
+    unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
+    last = max([shown, *(seq for seq, _, _ in unseen)])
+    chunks = [
+        OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen
+    ]
+    pool.console.write(rank, chunks)
+    return "".join(text for _, _, text in unseen)
+
+
+def _crash_reason(exc: RayActorError, exit_code: int | None, last_words: str) -> str:
     if exit_code is not None:
         return f"its process called os._exit({exit_code})"
+    fatal = re.search(r"Fatal Python error: ([^\n]+)", last_words)
+    if fatal:
+        return f"its process died: {fatal.group(1).strip()} (its stack is in its last lines above)"
     detail = re.search(r"Worker exit detail: ([^.]*)", str(exc))
     ray_says = f"; Ray says: {detail.group(1)}" if detail else ""
     return (
-        "its process died without a word: killed by a signal (SIGKILL, SIGSEGV), "
+        "its process died without a word: killed by a signal (such as SIGKILL), "
         f"the out-of-memory killer, or its node was lost{ray_says}"
     )

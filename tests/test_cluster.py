@@ -143,13 +143,17 @@ def test_rank_exception_raised_at_once_and_pool_recovers(cluster, capfd):
     wait_resources_back()
 
 
-@pytest.mark.parametrize("how", ["exit", "kill"])
+@pytest.mark.parametrize("how", ["exit", "kill", "segfault"])
 def test_crashed_rank_is_reported_as_a_crash(cluster, capfd, how):
     def die_on_rank_1(how: str) -> int:
         if os.environ["RANK"] == "1":
             print("last words of rank 1")
             if how == "exit":
                 os._exit(3)
+            if how == "segfault":
+                import ctypes
+
+                ctypes.string_at(0)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
         return 0
@@ -168,9 +172,12 @@ def test_crashed_rank_is_reported_as_a_crash(cluster, capfd, how):
     assert text.startswith("rank 1 (local rank 1)")
     time.sleep(1)  # Ray's own notice of the death, if any, arrives by now
     captured = capfd.readouterr()
+    assert "last words of rank 1" in captured.out  # shown though it died at once
     if how == "exit":
         assert "crashed: its process called os._exit(3)" in text
-        assert "last words of rank 1" in captured.out  # shown though it died at once
+    elif how == "segfault":
+        assert "crashed: its process died: Segmentation fault" in text
+        assert "ctypes.string_at(0)" in captured.err or "in die_on_rank_1" in captured.err
     else:
         assert "killed by a signal" in text
     assert "A worker died" not in captured.out + captured.err  # we report it, Ray need not

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import select
+import subprocess
 import sys
 import threading
 import time
 
 from workers.protocol import OutputChunk
+from workers.tail import frame, tail_path
 
 _READ = 1 << 16
 _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
@@ -43,6 +46,7 @@ class Capture:
             os.dup2(write_end, fd)
             os.close(write_end)
             self._pipes[read_end] = stream
+        self._tee = -1
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         for stream in (sys.stdout, sys.stderr):
@@ -50,6 +54,32 @@ class Capture:
                 stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         threading.Thread(target=self._pump, name="output-capture", daemon=True).start()
         self._hook_exit()
+        self._keep_leftovers()
+        faulthandler.enable(all_threads=True)  # a segfault's Python stack goes to stderr
+
+    def _keep_leftovers(self) -> None:
+        """Start the process that saves what this rank wrote but nobody read, if it dies."""
+        lifeline, self._lifeline = os.pipe()
+        tee, self._tee = os.pipe()
+        os.set_blocking(self._tee, False)  # the copy is best effort: never block the rank
+        out_fd, err_fd = self._pipes
+        argv = [sys.executable, "-m", "workers.tail", str(tail_path(os.getpid()))]
+        argv += [str(out_fd), str(err_fd), str(tee), str(lifeline)]
+        try:
+            self._keeper = subprocess.Popen(
+                argv,
+                pass_fds=(out_fd, err_fd, tee, lifeline),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError:  # without it, a crash loses its last few lines
+            self._keeper = None
+            os.close(self._tee)
+            self._tee = -1
+        os.close(lifeline)
+        os.close(tee)
 
     def _hook_exit(self) -> None:
         """Make os._exit hand the last lines to the driver first: they explain the exit."""
@@ -123,6 +153,9 @@ class Capture:
         with self._cond:
             self._seq += 1
             self._chunks.append(OutputChunk(self._seq, stream, data))
+            if self._tee >= 0 and stream != EXIT_STREAM:
+                with contextlib.suppress(OSError):  # full: the keeper lags, skip the copy
+                    os.write(self._tee, frame(self._seq, stream, data))
             self._buffered += len(data)
             while self._buffered > _BUFFER_LIMIT and len(self._chunks) > 1:
                 dropped = self._chunks.pop(0)

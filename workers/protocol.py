@@ -18,6 +18,8 @@ class NodeInfo:
     """Accelerator ids Ray assigned to this actor alone."""
     interface: str | None
     """Network interface that carries `node_ip`, if one could be found."""
+    tail_path: str = ""
+    """Where the rank's unread output is left if its process dies."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""Keeps a copy of a rank's latest output and, once the rank dies, saves it for the driver.
+
+`Capture` starts `python -m workers.tail PATH OUT_FD ERR_FD TEE_FD LIFELINE_FD`. While the
+rank lives, its capture thread copies every numbered chunk to TEE_FD and this process
+keeps the newest ones; the rank holds the lifeline's other end. When the rank dies, this
+process also takes what is still unread in the stdout/stderr pipes (OUT_FD, ERR_FD),
+writes it all to PATH as JSON, keeps the file a while for the driver, and removes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import select
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KEEP_S = 10.0
+"""How long a dead rank's last output stays on disk for the driver to fetch."""
+KEEP_BYTES = 1 << 20
+"""How much of the newest output is kept."""
+HEADER = struct.Struct(">QBI")
+"""A copied chunk: seq, stream (0 stdout, 1 stderr), length; then the bytes."""
+STREAMS = ("stdout", "stderr")
+
+
+def tail_path(pid: int) -> Path:
+    """Where the rank with process id `pid` leaves its last output when it dies."""
+    return Path(tempfile.gettempdir()) / "orchestrator-tails" / f"{pid}.json"
+
+
+def frame(seq: int, stream: str, data: bytes) -> bytes:
+    """One chunk as the capture thread copies it here."""
+    return HEADER.pack(seq, STREAMS.index(stream), len(data)) + data
+
+
+def read_tail(path: str, wait_s: float) -> list[tuple[int, str, str]] | None:
+    """The saved chunks at `path` as (seq, stream, text), seq 0 for never-read bytes."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return [(seq, stream, text) for seq, stream, text in json.loads(Path(path).read_text())]
+        except (OSError, ValueError):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+
+def main(path: str, out_fd: int, err_fd: int, tee_fd: int, lifeline: int) -> None:
+    """Keep the newest chunks until the lifeline closes; then save them and the leftovers."""
+    kept: collections.deque[tuple[int, str, bytes]] = collections.deque()
+    size = 0
+    buffer = b""
+    open_fds = [tee_fd, lifeline]
+    while lifeline in open_fds:
+        ready, _, _ = select.select(open_fds, [], [])
+        for fd in ready:
+            data = b""
+            with contextlib.suppress(OSError):
+                data = os.read(fd, 1 << 16)
+            if not data:
+                open_fds.remove(fd)
+            elif fd == tee_fd:
+                buffer += data
+        while len(buffer) >= HEADER.size:
+            seq, stream, length = HEADER.unpack_from(buffer)
+            if len(buffer) < HEADER.size + length:
+                break
+            chunk = buffer[HEADER.size : HEADER.size + length]
+            buffer = buffer[HEADER.size + length :]
+            kept.append((seq, STREAMS[stream], chunk))
+            size += length
+            while size > KEEP_BYTES and len(kept) > 1:
+                size -= len(kept.popleft()[2])
+    saved = [[seq, stream, data.decode("utf-8", errors="replace")] for seq, stream, data in kept]
+    for fd, stream in ((out_fd, "stdout"), (err_fd, "stderr")):
+        os.set_blocking(fd, False)
+        data = b""
+        with contextlib.suppress(OSError):
+            while block := os.read(fd, 1 << 16):
+                data += block
+        if data:
+            saved.append([0, stream, data.decode("utf-8", errors="replace")])
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".part")
+    partial.write_text(json.dumps(saved), encoding="utf-8")
+    partial.replace(target)
+    time.sleep(KEEP_S)
+    target.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(fd) for fd in sys.argv[2:6]))
