@@ -62,7 +62,7 @@ def quiet_crash_notices(pids: list[int]) -> None:
     keeps Ray's notice. Ray offers no switch, so its printer is wrapped (when present).
     """
     _rank_pids.update(pids)
-    if os.environ.get("ORCHESTRATOR_VERBOSE"):
+    if _verbose():
         return
     from ray._private import worker
 
@@ -105,13 +105,14 @@ def _start_local(min_cpus: float) -> None:
     # Ray's banner and token notice are noise to a user who did not ask for Ray.
     quiet = logging.getLogger("ray")
     level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    ray_level = logging.INFO if _verbose() else logging.ERROR
+    quiet.setLevel(ray_level)
     try:
         ray.init(
             address="local",
             num_cpus=cpus,
             include_dashboard=False,
-            logging_level=logging.ERROR,
+            logging_level=ray_level,
             log_to_driver=False,  # ranks' output comes through our own capture
         )
     finally:
@@ -134,6 +135,11 @@ def _local_cluster() -> tuple[str | None, Path | None]:
             return address, None
     except (OSError, ValueError):
         return None, tmp
+
+
+def _verbose() -> bool:
+    """ORCHESTRATOR_VERBOSE=1: let Ray's own messages through."""
+    return os.environ.get("ORCHESTRATOR_VERBOSE", "") not in ("", "0")
 
 
 def _say(message: str) -> None:
