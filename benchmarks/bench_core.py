@@ -545,7 +545,8 @@ def section_warm(s: Settings) -> SectionResult:
         "first call: distribute() + pool creation + first call, Ray already running "
         "(the rank-only pool's first call comes after the trivial pool existed)",
         "> 1 s: stalled calls; the ~5 s ones seen so far were torch TCPStore connects waiting "
-        "on a reverse DNS lookup (glibc's 5 s resolver timeout): every call opens a new store",
+        "on a reverse DNS lookup (glibc's 5 s resolver timeout): each call that used the "
+        "rendezvous store opens a new one",
     ]
     return SectionResult(
         [table],
