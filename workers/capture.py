@@ -101,8 +101,8 @@ class Capture:
     def drain(self, timeout: float) -> list[OutputChunk]:
         """Chunks not yet drained, waiting up to `timeout` s for the first one."""
         with self._cond:
-            if not self._chunks:
-                self._cond.wait(timeout)
+            # wait_for: the condition is also notified for syncs, which bring no output.
+            self._cond.wait_for(lambda: self._chunks, timeout)
             chunks, self._chunks, self._buffered = self._chunks, [], 0
             self._cond.notify_all()  # os._exit may be waiting for this
         return chunks
