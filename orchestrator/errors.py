@@ -18,6 +18,7 @@ from pathlib import Path
 
 import cloudpickle
 
+from orchestrator.logs import read_log
 from workers.protocol import RankFailure
 
 CRASH = "crash"
@@ -66,8 +67,6 @@ class DistributedError(OrchestratorError):
         """Everything rank `rank` wrote during the failed call."""
         if self.log_dir is None:
             raise FileNotFoundError("this call kept no log files (log_dir=False)")
-        from orchestrator.logs import read_log  # logs imports workers only; no cycle at import
-
         return read_log(self.log_dir, rank)
 
 
