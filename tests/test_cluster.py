@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from orchestrator import DistributedError, JobTimeoutError, PlacementError, distribute
+from orchestrator.errors import is_secondary
 from tests.conftest import GPUS_PER_NODE, wait_resources_back
 
 
@@ -133,7 +134,8 @@ def test_rank_exception_raised_at_once_and_pool_recovers(cluster, capfd):
     # The peers' errors caused by rank 2 leaving are listed after it, never as the cause.
     assert err.failures[0].rank == 2
     secondary = err.failures[1:]
-    assert secondary and all("Connection closed" in f.message for f in secondary)
+    # gloo says "Connection closed by peer" or "Connection reset by peer", by timing.
+    assert secondary and all(is_secondary(f) for f in secondary), secondary
     assert "other rank(s) failed after it" in str(err)
 
     # The same function works again: the stuck pool was replaced.
