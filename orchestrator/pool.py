@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import uuid
 from collections.abc import Mapping
@@ -21,6 +22,23 @@ from workers.protocol import NodeInfo, RankSpec
 
 _RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)
 _WAIT_NOTICE_S = 5.0
+
+ACTOR_NAMESPACE = "orchestrator"
+"""Ray namespace of every rank's actor, named `actor_name(...)`, so other drivers find them."""
+_ACTOR_NAME = re.compile(r"^(?P<job>.+)-(?P<pool>[0-9a-f]{8})-r(?P<rank>\d+)$")
+
+
+def actor_name(job_name: str, pool_id: str, rank: int) -> str:
+    """The Ray actor name of `rank` in pool `pool_id` of job `job_name`: NAME-ID-rRANK."""
+    return f"{job_name}-{pool_id}-r{rank}"
+
+
+def parse_actor_name(name: str) -> tuple[str, str, int] | None:
+    """(job name, pool id, rank) of one of our actors' names; None for any other name."""
+    match = _ACTOR_NAME.match(name)
+    if match is None:
+        return None
+    return match["job"], match["pool"], int(match["rank"])
 
 
 class Pool:
@@ -47,10 +65,11 @@ class Pool:
         self.dead: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         """Statuses ranks passed to os._exit, as they reported them just before."""
+        self.id = uuid.uuid4().hex[:8]
         self.pg = placement_group(
             [request.bundle()] * request.num_nodes,
             strategy="PACK" if simulate_nodes else "STRICT_SPREAD",
-            name=f"{name}-{uuid.uuid4().hex[:8]}",
+            name=f"{name}-{self.id}",
         )
         try:
             self._start(env, runtime_env, post_mortem)
@@ -88,6 +107,8 @@ class Pool:
                     resources={k: v for k, v in per_replica.items() if k not in ("CPU", "GPU")},
                     scheduling_strategy=strategy,
                     runtime_env=dict(runtime_env) if runtime_env else None,
+                    name=actor_name(self.name, self.id, slot.rank),
+                    namespace=ACTOR_NAMESPACE,
                 ).remote(self.name, slot.rank)
             )
         infos: list[NodeInfo] = ray.get([a.info.remote() for a in self.actors])
