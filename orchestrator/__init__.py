@@ -2,19 +2,27 @@
 
 from orchestrator.distribute import DistributedFunction, distribute
 from orchestrator.errors import (
+    BusyError,
     ConfigError,
     DistributedError,
     JobTimeoutError,
     OrchestratorError,
     PlacementError,
+    PlacementTimeoutError,
 )
+from orchestrator.job import Job, JobStatus, RankStatus
 
 __all__ = [
+    "BusyError",
     "ConfigError",
     "DistributedError",
     "DistributedFunction",
+    "Job",
+    "JobStatus",
     "JobTimeoutError",
     "OrchestratorError",
     "PlacementError",
+    "PlacementTimeoutError",
+    "RankStatus",
     "distribute",
 ]

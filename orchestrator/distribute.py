@@ -9,6 +9,7 @@ import re
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,10 +18,12 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import ray
 
-from orchestrator import cluster, job, placement, shipping
-from orchestrator.errors import ConfigError
+from orchestrator import call, cluster, placement, shipping
+from orchestrator.errors import BusyError, ConfigError
+from orchestrator.job import RUNNING, Job
 from orchestrator.logs import DEFAULT_PREFIX, Console, read_log
-from orchestrator.pool import Pool
+from orchestrator.pool import Pool, StopRequested
+from workers.protocol import Payload
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -53,6 +56,10 @@ class Options:
     """Seconds a call may run before it is stopped with every rank's stacks."""
     post_mortem: bool = False
     """A rank that raises opens pdb in the failing frame and waits for an attach."""
+    placement_timeout: float | None = None
+    """Seconds to wait for resources other jobs hold (None: as long as it takes)."""
+    queue: bool = True
+    """A call submitted while the previous one runs waits for it; False: BusyError."""
 
 
 def default_log_dir() -> Path:
@@ -61,16 +68,70 @@ def default_log_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "orchestrator" / "logs"
 
 
-class _PoolHolder:
-    """Owns the pool apart from the function object, so a finalizer can release it."""
+class _Runner:
+    """Runs a function's jobs one after another on its warm pool, in a background thread.
+
+    Shared by a function and its `with_options` copies, apart from the function
+    object, so that a finalizer can release the pool.
+    """
 
     def __init__(self) -> None:
         self.pool: Pool | None = None
+        self.lock = threading.Lock()
+        self.queue: deque[Job[Any]] = deque()
+        self.current: Job[Any] | None = None
+        self.thread: threading.Thread | None = None
+        self.calls = itertools.count(1)
+        self.last: Job[Any] | None = None
+
+    def submit(self, job: Job[Any], start: Callable[[Job[Any]], None], queue: bool) -> None:
+        """Queue `job`; `start(job)` is run for it in the runner thread when its turn comes."""
+        with self.lock:
+            busy = self.current or next((j for j in self.queue if not j.done()), None)
+            if busy is not None and not queue:
+                raise BusyError(
+                    f"{job.name} is still running an earlier call ({busy!r}); wait for it "
+                    "(job.result()), cancel it, or submit with queue=True to run after it"
+                )
+            self.queue.append(job)
+            self.last = job
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._work, args=(start,), name=f"orchestrator-{job.name}", daemon=True
+                )
+                self.thread.start()
+
+    def _work(self, start: Callable[[Job[Any]], None]) -> None:
+        while True:
+            with self.lock:
+                if not self.queue:
+                    self.thread = None
+                    return
+                job = self.current = self.queue.popleft()
+            try:
+                job.context.run(start, job)
+            finally:
+                with self.lock:
+                    self.current = None
+
+    def stop(self, job: Job[Any]) -> None:
+        """Kill `job`'s ranks if it is running; a waiting job notices its stop flag."""
+        if job.pool is not None:
+            job.pool.shutdown()
 
     def release(self) -> None:
+        """Stop the warm pool's actors and give back its resources."""
         pool, self.pool = self.pool, None
         if pool is not None and ray.is_initialized():
             pool.shutdown()
+
+    def shutdown(self) -> None:
+        """Cancel every queued and running job, then release the pool."""
+        with self.lock:
+            jobs = [*self.queue, *([self.current] if self.current else [])]
+        for job in jobs:
+            job.cancel()
+        self.release()
 
 
 class DistributedFunction(Generic[P, R]):
@@ -80,56 +141,96 @@ class DistributedFunction(Generic[P, R]):
         """Wrap `fn`; use `distribute()` rather than this constructor."""
         self.fn = fn
         self.options = options
-        self._lock = threading.Lock()
-        self._holder = _PoolHolder()
-        self._calls = itertools.count(1)
-        self.log_dir: Path | None = None
-        """The last call's log folder (rank-N.log for every rank)."""
-        weakref.finalize(self, self._holder.release)
+        self._runner = _Runner()
+        weakref.finalize(self, self._runner.release)
 
     @property
     def name(self) -> str:
         """The job name used in log prefixes and actor names."""
         return self.options.name
 
+    @property
+    def log_dir(self) -> Path | None:
+        """The last call's log folder (rank-N.log for every rank)."""
+        last = self._runner.last
+        return last.log_dir if last is not None else None
+
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run `fn(*args, **kwargs)` on every rank; return each rank's result, by rank."""
+        job = self.submit(*args, **kwargs)
+        try:
+            return job.result()
+        except KeyboardInterrupt:
+            job.cancel()
+            raise KeyboardInterrupt(
+                f"interrupted: all {self.options.num_replicas} ranks of {self.name} were "
+                "stopped; the next call starts fresh ones"
+            ) from None
+
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> Job[R]:
+        """Start `fn(*args, **kwargs)` on every rank and return at once with its Job.
+
+        A call submitted while the previous one runs waits for it (queue=False: raises
+        BusyError instead). The Job is a concurrent.futures.Future, awaitable in asyncio.
+        """
         data = shipping.payload(self.fn, args, kwargs)
-        with self._lock:  # a second caller waits for the pool to be free
-            pool = self._holder.pool or self._start()
-            if self.options.log_dir is not None:
+        job: Job[R] = Job(self.name, self.options.num_replicas, self._runner.stop)
+        job.owner = self  # the pool lives while a job of it is not done
+        options = self.options
+        self._runner.submit(job, lambda j: self._execute(j, data, options), options.queue)
+        return job
+
+    def _execute(self, job: Job[R], data: Payload, options: Options) -> None:
+        """Run `job` in the runner thread: start the pool if needed, call, settle the job."""
+        runner = self._runner
+        if job.stop_requested.is_set():
+            job.finish()
+            return
+        try:
+            if runner.pool is None:
+                runner.pool = self._start(job, options)
+            pool = job.pool = runner.pool
+            if options.log_dir is not None:
                 stamp = time.strftime("%Y%m%d-%H%M%S")
-                folder = f"{stamp}-{os.getpid()}-{next(self._calls)}"
-                self.log_dir = self.options.log_dir / self.name / folder
-                pool.console.open_logs(self.log_dir)
+                folder = f"{stamp}-{os.getpid()}-{next(runner.calls)}"
+                job.log_dir = options.log_dir / self.name / folder
+                pool.console.open_logs(job.log_dir)
+            job.set_phase(RUNNING)
             try:
-                return job.run(pool, data, self.options.timeout)
-            except KeyboardInterrupt:
-                self._holder.release()
-                raise KeyboardInterrupt(
-                    f"interrupted: all {self.options.num_replicas} ranks of {self.name} were "
-                    "stopped; the next call starts fresh ones"
-                ) from None
-            except BaseException:
-                # Ranks may be stuck in a collective: replace the whole pool next time.
-                self._holder.release()
-                raise
+                job.call = call.Call(pool, data, options.timeout, job.stop_requested)
+                value = job.call.wait()
             finally:
                 pool.console.close_logs()
+        except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
+            # Ranks may be stuck in a collective: replace the whole pool next time.
+            runner.release()
+            job.finish(error=None if isinstance(exc, StopRequested) else exc)
+        else:
+            job.finish(value)
 
-    def with_options(self, *, timeout: float | None) -> DistributedFunction[P, R]:
-        """The same function and warm pool with other per-call options (e.g. a timeout)."""
-        problems = _validate_timeout(timeout)
+    def with_options(self, **changes: Any) -> DistributedFunction[P, R]:
+        """The same function and warm pool with other per-call options.
+
+        Accepted: timeout, placement_timeout, queue (as for `distribute`).
+        """
+        unknown = sorted(set(changes) - {"timeout", "placement_timeout", "queue"})
+        if unknown:
+            raise ConfigError(
+                f"with_options() got {', '.join(unknown)}; valid: timeout, placement_timeout, "
+                "queue (the layout is fixed: make a new distribute() for another)"
+            )
+        options = replace(self.options, **changes)
+        problems = _validate_calls(options)
         if problems:
-            raise ConfigError(problems[0])
+            raise ConfigError("invalid arguments to with_options():\n  " + "\n  ".join(problems))
         clone = copy.copy(self)
-        clone.options = replace(self.options, timeout=timeout)
+        clone.options = options
         return clone
 
     def stacks(self) -> dict[int, str]:
         """Each rank's current stacks, by rank, from any thread while a call runs."""
-        pool = self._holder.pool
-        return job.stacks(pool) if pool else {}
+        current = self._runner.current
+        return current.stacks() if current is not None else {}
 
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during the last call."""
@@ -139,13 +240,12 @@ class DistributedFunction(Generic[P, R]):
 
     def pids(self) -> list[int]:
         """Process ids of the warm pool's ranks, by rank (empty before the first call)."""
-        pool = self._holder.pool
+        pool = self._runner.pool
         return pool.pids() if pool else []
 
     def shutdown(self) -> None:
-        """Stop every rank's actor and release the cluster's resources."""
-        with self._lock:
-            self._holder.release()
+        """Cancel its queued and running calls, stop every rank's actor, release resources."""
+        self._runner.shutdown()
 
     def __enter__(self) -> DistributedFunction[P, R]:
         """Use as a context manager: resources are released on exit."""
@@ -166,8 +266,7 @@ class DistributedFunction(Generic[P, R]):
         layout = f" ({per_node} per node)" if per_node else ""
         return f"<DistributedFunction {self.name} x{self.options.num_replicas}{layout}>"
 
-    def _start(self) -> Pool:
-        opts = self.options
+    def _start(self, job: Job[R], opts: Options) -> Pool:
         cpus_needed = opts.num_replicas * opts.cpus_per_replica
         embedded = cluster.connect(opts.address, min_cpus=cpus_needed)
         nodes = cluster.nodes()
@@ -193,7 +292,7 @@ class DistributedFunction(Generic[P, R]):
         console = Console(
             opts.name, opts.num_replicas, prefix=opts.log_prefix, show=opts.log_ranks
         )
-        pool = Pool(
+        return Pool(
             opts.name,
             request,
             simulate_nodes=simulate,
@@ -201,9 +300,10 @@ class DistributedFunction(Generic[P, R]):
             runtime_env=opts.runtime_env,
             console=console,
             post_mortem=opts.post_mortem,
+            placement_timeout=opts.placement_timeout,
+            stop=job.stop_requested,
+            on_phase=job.set_phase,
         )
-        self._holder.pool = pool
-        return pool
 
 
 def distribute(
@@ -223,6 +323,8 @@ def distribute(
     log_dir: str | os.PathLike[str] | bool | None = True,
     timeout: float | None = None,
     post_mortem: bool = False,
+    placement_timeout: float | None = None,
+    queue: bool = True,
 ) -> DistributedFunction[P, R]:
     """Make `fn` a function that runs on `num_replicas` ranks of a torch.distributed job.
 
@@ -232,6 +334,10 @@ def distribute(
     puts them there instead; False keeps none. `timeout` (seconds) stops a call that
     runs longer with a JobTimeoutError showing every rank's stacks. `breakpoint()` in
     `fn` and `post_mortem=True` open pdb on that rank; its output says how to attach.
+    When other jobs hold the resources, the first call waits for them (the console
+    says what for), or raises PlacementTimeoutError after `placement_timeout` seconds.
+    `.submit(...)` returns a Job at once; with `queue=False` a call submitted while
+    the previous one runs raises BusyError instead of waiting for it.
     """
     if log_dir is True:
         folder: Path | None = default_log_dir()
@@ -254,6 +360,8 @@ def distribute(
         log_dir=folder,
         timeout=timeout,
         post_mortem=bool(post_mortem),
+        placement_timeout=placement_timeout,
+        queue=queue,
     )
     problems = validate(fn, options)
     if problems:
@@ -309,14 +417,20 @@ def validate(fn: object, o: Options) -> list[str]:  # noqa: PLR0912 - one check 
     if o.runtime_env is not None and not isinstance(o.runtime_env, Mapping):
         problems.append(f"runtime_env={o.runtime_env!r}: must be a dict, as for ray.init")
     problems += _validate_logs(o)
-    problems += _validate_timeout(o.timeout)
+    problems += _validate_calls(o)
     return problems
 
 
-def _validate_timeout(timeout: object) -> list[str]:
-    if timeout is None or (_is_number(timeout) and timeout > 0):  # type: ignore[operator]
-        return []
-    return [f"timeout={timeout!r}: must be a number of seconds > 0, or None for no limit"]
+def _validate_calls(o: Options) -> list[str]:
+    problems = []
+    for label, value in (("timeout", o.timeout), ("placement_timeout", o.placement_timeout)):
+        if value is not None and not (_is_number(value) and value > 0):  # type: ignore[operator]
+            problems.append(
+                f"{label}={value!r}: must be a number of seconds > 0, or None for no limit"
+            )
+    if not isinstance(o.queue, bool):
+        problems.append(f"queue={o.queue!r}: must be True (wait for the previous call) or False")
+    return problems
 
 
 def _validate_logs(o: Options) -> list[str]:

@@ -2,7 +2,11 @@
 
 OrchestratorError
  ├── ConfigError (also ValueError)   a bad argument, raised before anything starts
+ ├── BusyError                       a call was submitted with queue=False while
+ │                                   the function's previous call still runs
  ├── PlacementError                  the cluster can never hold the request
+ │    └── PlacementTimeoutError      it could not be placed within placement_timeout
+ │                                   (also TimeoutError)
  └── DistributedError                a call failed on one or more ranks; its class
       │                              also derives from the root cause's type, so
       │                              `except ValueError:` catches a rank's ValueError
@@ -41,8 +45,16 @@ class ConfigError(OrchestratorError, ValueError):
     """A bad argument: names the value and what would be valid."""
 
 
+class BusyError(OrchestratorError):
+    """The function's previous call still runs and the caller asked not to queue."""
+
+
 class PlacementError(OrchestratorError):
     """The cluster as it stands can never hold the request."""
+
+
+class PlacementTimeoutError(PlacementError, TimeoutError):
+    """The request could not be placed within `placement_timeout` (other jobs hold it)."""
 
 
 class DistributedError(OrchestratorError):

@@ -1,218 +1,182 @@
-"""One call in flight: start every rank at once, watch them all, stream output, collect."""
+"""A submitted call: a Future that also knows its ranks' states, logs and stacks."""
 
 from __future__ import annotations
 
-import pickle
-import re
-import time
-from dataclasses import replace
-from typing import Any
+import asyncio
+import atexit
+import contextvars
+import sys
+import threading
+from collections.abc import Callable, Generator
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import ray
-from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from orchestrator.call import stacks
+from orchestrator.logs import read_log
 
-from orchestrator.errors import CRASH, describe_rank, distributed_error, timeout_error
-from orchestrator.pool import Pool
-from workers.capture import EXIT_STREAM
-from workers.protocol import OutputChunk, Payload, RankFailure, RankResult
-from workers.tail import read_tail
+if TYPE_CHECKING:
+    from orchestrator.call import Call
+    from orchestrator.pool import Pool
 
-_GATHER_S = 0.3
-"""After the first failure, how long to keep listening for the others' (for the report)."""
-_DRAIN_POLL_S = 30.0
-"""How long one output request waits on an idle rank before returning empty."""
+R = TypeVar("R")
 
-
-_INLINE_BYTES = 64 * 1024
-"""Payloads up to this size are sent with each rank's task instead of through ray.put."""
-_LEFTOVER_WAIT_S = 0.5
-"""How long to wait for a dead rank's keeper process to save its unread output."""
-_STACKS_WAIT_S = 3.0
-"""How long to wait for the ranks' stacks before reporting without them."""
+QUEUED, PENDING, STARTING, RUNNING = "queued", "pending", "starting", "running"
+FINISHED, FAILED, CANCELLED = "finished", "failed", "cancelled"
+STOPPED = "stopped"
+"""A rank's state when it was stopped because another rank failed or the job was cancelled."""
 
 
-def run(pool: Pool, payload: Payload, timeout: float | None = None) -> list[Any]:
-    """Run the shipped function on every rank of `pool`; results by rank.
+@dataclass(frozen=True)
+class RankStatus:
+    """Where one rank is and what it is doing."""
 
-    Ranks are watched as they complete, not in rank order. On the first failure the
-    caller must tear the pool down (the other ranks may be blocked in a collective
-    forever): a DistributedError is raised after a short wait for the others' reports.
+    rank: int
+    state: str
+    """queued, pending (placement), starting, running, finished, failed, stopped, cancelled."""
+    node_ip: str | None = None
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A snapshot of a job: its state, each rank's, and what it waits for."""
+
+    name: str
+    state: str
+    """queued (behind the function's previous call), pending (waiting for resources),
+    starting (actors starting), running, finished, failed, or cancelled."""
+    ranks: tuple[RankStatus, ...]
+    waiting_for: str | None = None
+    """While pending: what it needs and what the cluster has free now."""
+
+    def __str__(self) -> str:
+        """E.g. 'train: running (r0 finished, r1 running)'."""
+        detail = f"; {self.waiting_for}" if self.waiting_for else ""
+        ranks = ", ".join(f"r{r.rank} {r.state}" for r in self.ranks)
+        return f"{self.name}: {self.state}{detail} ({ranks})"
+
+
+class Job(Future, Generic[R]):  # type: ignore[type-arg]
+    """One call of a distributed function, running or waiting; a concurrent.futures.Future.
+
+    `result()` returns the ranks' results by rank, or raises the DistributedError;
+    `cancel()` stops a running job's ranks or withdraws a waiting one; `await job`
+    works in asyncio (a notebook's loop too).
     """
-    return _Call(pool, payload, timeout).wait()
 
+    def __init__(self, name: str, num_ranks: int, stop: Callable[[Job[R]], None]) -> None:
+        """A job named `name` of `num_ranks` ranks; `stop` kills it if it runs."""
+        super().__init__()
+        self.name = name
+        self.num_ranks = num_ranks
+        self.log_dir: Path | None = None
+        """The call's per-rank log folder (rank-N.log), once it started."""
+        self.stop_requested = threading.Event()
+        self.context = contextvars.copy_context()
+        """The submitter's context: a notebook routes output by it to the submitting cell."""
+        self.pool: Pool | None = None
+        self.call: Call | None = None
+        self.owner: Any = None
+        """Keeps the distributed function (and its pool) alive while the job is not done."""
+        self._stop = stop
+        self._phase = QUEUED
+        self._waiting_for: str | None = None
+        self._finish_lock = threading.RLock()
+        _live.add(self)
 
-class _Call:
-    """The state of one call: ranks still running, output still owed, outcomes."""
+    def result(self, timeout: float | None = None) -> list[R]:
+        """Each rank's return value, by rank; raises the job's error (or CancelledError)."""
+        return super().result(timeout)
 
-    def __init__(self, pool: Pool, payload: Payload, timeout: float | None) -> None:
-        self.pool = pool
-        self.timeout = timeout
-        # Large payloads go into the object store once, whatever the number of ranks;
-        # small ones travel inside each task, which saves every rank a fetch.
-        source_size = sum(len(line) for lines in payload.sources.values() for line in lines)
-        shipped: Any = payload
-        if len(payload.call) + source_size > _INLINE_BYTES:
-            # Out of band, each rank reads the bytes in place from the object store.
-            shipped = ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
-        self.runs = {
-            actor.run.remote(spec, shipped): spec.rank
-            for actor, spec in zip(pool.actors, pool.specs_for_call(), strict=True)
-        }
-        self.owed: dict[int, int] = {}  # rank -> output seq to show before it counts as done
-        self.results: dict[int, Any] = {}
-        self.failures: list[RankFailure] = []
-        self.gather_until: float | None = None
-        self.time_limit = None if timeout is None else time.monotonic() + timeout
+    def cancel(self) -> bool:
+        """Stop the job's ranks (within a second) or withdraw its request; False if done."""
+        with self._finish_lock:
+            if self.done():
+                return False
+            self.stop_requested.set()
+            self._stop(self)
+            return super().cancel()
 
-    def wait(self) -> list[Any]:
-        """Watch every rank until all are done or one failed; results by rank."""
-        console = self.pool.console
-        while self._busy():
-            now = time.monotonic()
-            if self.gather_until is not None and now >= self.gather_until:
-                break
-            if self.time_limit is not None and now >= self.time_limit and self.runs:
-                self._time_out()
-            self._request_output()
-            draining = {ref: rank for rank, ref in self.pool.drains.items()}
-            wake = [t for t in (self.gather_until, self.time_limit, console.tick(now)) if t]
-            for ready in _ready([*self.runs, *draining], min(wake) - now if wake else None):
-                if ready in self.runs:
-                    self._take(_outcome(self.pool, self.runs.pop(ready), ready))
-                else:
-                    _show(self.pool, draining[ready], ready)
-        console.flush()
-        if self.failures:
-            raise distributed_error(self.failures, console.log_dir)
-        return [self.results[rank] for rank in range(len(self.pool.actors))]
+    def running(self) -> bool:
+        """Whether the job's ranks are starting or running (not waiting, not done)."""
+        return not self.done() and self._phase in (STARTING, RUNNING)
 
-    def _busy(self) -> bool:
-        printed, dead = self.pool.console.printed, self.pool.dead
-        return bool(self.runs) or any(
-            printed[rank] < seq for rank, seq in self.owed.items() if rank not in dead
-        )
+    def status(self) -> JobStatus:
+        """The job's state, each rank's state, and while pending what it waits for."""
+        phase = CANCELLED if self.cancelled() else self._phase
+        pool, call = self.pool, self.call
+        ranks = []
+        for rank in range(self.num_ranks):
+            state = phase
+            if call is not None and phase in (RUNNING, FINISHED, FAILED, CANCELLED):
+                state = call.rank_state(rank, stopped=phase != RUNNING)
+            info = pool.infos[rank] if pool is not None and pool.infos else None
+            ranks.append(
+                RankStatus(rank, state, info.node_ip if info else None, info.pid if info else None)
+            )
+        waiting = self._waiting_for if phase == PENDING else None
+        return JobStatus(self.name, phase, tuple(ranks), waiting)
 
-    def _request_output(self) -> None:
+    def logs(self, rank: int) -> str:
+        """Everything rank `rank` wrote during this job (so far, while it runs)."""
+        if self.log_dir is None:
+            raise FileNotFoundError(f"job {self.name} has kept no log files (not started yet?)")
+        if self.pool is not None and not self.done():
+            self.pool.console.flush_files()
+        return read_log(self.log_dir, rank)
+
+    def stacks(self) -> dict[int, str]:
+        """Each rank's current stacks, by rank, while the job runs ({} otherwise)."""
         pool = self.pool
-        for rank, actor in enumerate(pool.actors):
-            if rank not in pool.drains and rank not in pool.dead:
-                pool.drains[rank] = actor.drain.remote(_DRAIN_POLL_S)
+        return stacks(pool) if pool is not None and self.running() else {}
 
-    def _take(self, outcome: RankResult | RankFailure) -> None:
-        self.owed[outcome.rank] = outcome.output_seq
-        if isinstance(outcome, RankFailure):
-            self.failures.append(outcome)
-            self.gather_until = self.gather_until or time.monotonic() + _GATHER_S
-            return
-        self.results[outcome.rank] = outcome.value
-        if outcome.next_master_port is not None:
-            self.pool.next_port = outcome.next_master_port
+    def __await__(self) -> Generator[Any, None, list[R]]:
+        """`await job` in asyncio: the ranks' results; cancelling the await cancels the job."""
+        return asyncio.wrap_future(self).__await__()
 
-    def _time_out(self) -> None:
-        self.pool.console.flush()
-        ranks = range(len(self.pool.actors))
-        where = {rank: _where(self.pool, rank) for rank in ranks}
-        log_dir = self.pool.console.log_dir
-        raise timeout_error(self.timeout or 0.0, stacks(self.pool), where, log_dir)
+    def __repr__(self) -> str:
+        """E.g. <Job train running>."""
+        state = CANCELLED if self.cancelled() else self._phase
+        return f"<Job {self.name} {state}>"
 
+    # The runner's side.
 
-def _ready(refs: list[ray.ObjectRef], wait_s: float | None) -> list[ray.ObjectRef]:
-    """Wait up to `wait_s` for one of `refs`; then take every other one ready too."""
-    done, rest = ray.wait(refs, num_returns=1, timeout=None if wait_s is None else max(0, wait_s))
-    if done and rest:
-        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-        done += more
-    return done
+    def set_phase(self, phase: str, waiting_for: str | None = None) -> None:
+        """Record the job's progress: pending (with what it waits for), starting, running."""
+        self._waiting_for = waiting_for
+        self._phase = phase
 
-
-def stacks(pool: Pool) -> dict[int, str]:
-    """Each rank's current stacks, asked of all ranks at once; never blocks for long."""
-    refs = {actor.stacks.remote(): rank for rank, actor in enumerate(pool.actors)}
-    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_STACKS_WAIT_S)
-    found = {rank: f"(no answer within {_STACKS_WAIT_S:g} s)" for rank in refs.values()}
-    for ref in done:
-        try:
-            found[refs[ref]] = ray.get(ref)
-        except RayActorError:
-            found[refs[ref]] = "(its process is gone)"
-    return found
+    def finish(self, value: list[R] | None = None, error: BaseException | None = None) -> None:
+        """Settle the future with the ranks' results or the error (or as cancelled)."""
+        with self._finish_lock:
+            _live.discard(self)
+            self.owner = None
+            self._phase = FAILED if error is not None else FINISHED
+            if self.stop_requested.is_set() and self.cancelled():
+                self.set_running_or_notify_cancel()  # wake concurrent.futures.wait()ers
+                return
+            try:
+                if error is not None:
+                    self.set_exception(error)
+                else:
+                    self.set_result(value)
+            except InvalidStateError:  # cancelled without a stop (before it was queued)
+                self.set_running_or_notify_cancel()
 
 
-def _where(pool: Pool, rank: int) -> str:
-    info = pool.infos[rank]
-    return describe_rank(rank, pool.specs[rank].local_rank, info.node_ip, info.hostname, info.pid)
+_live: set[Job[Any]] = set()
 
 
-def _show(pool: Pool, rank: int, ref: ray.ObjectRef) -> None:
-    del pool.drains[rank]
-    try:
-        chunks = ray.get(ref)
-    except RayActorError:
-        pool.dead.add(rank)
-        return
-    for chunk in chunks:
-        if chunk.stream == EXIT_STREAM:
-            pool.exit_codes[rank] = int(chunk.data)
-    pool.console.write(rank, [c for c in chunks if c.stream != EXIT_STREAM])
-
-
-def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFailure:
-    try:
-        return ray.get(ref)
-    except RayActorError as exc:
-        pool.dead.add(rank)
-        info = pool.infos[rank]
-        last_words = _show_leftovers(pool, rank)
-        return RankFailure(
-            rank=rank,
-            local_rank=pool.specs[rank].local_rank,
-            node_ip=info.node_ip,
-            hostname=info.hostname,
-            pid=info.pid,
-            time=time.time(),
-            exc_type=CRASH,
-            message=_crash_reason(exc, pool.exit_codes.get(rank), last_words),
-            traceback="",
-        )
-
-
-_remote_read_tail = ray.remote(num_cpus=0)(read_tail)
-
-
-def _show_leftovers(pool: Pool, rank: int) -> str:
-    """Show what a dead rank wrote in its last instant (saved by its keeper); return it."""
-    info = pool.infos[rank]
-    if not info.tail_path:
-        return ""
-    if info.node_id == ray.get_runtime_context().get_node_id():
-        leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
-    else:  # read on the rank's own node
-        affinity = NodeAffinitySchedulingStrategy(info.node_id, soft=False)
-        ref = _remote_read_tail.options(scheduling_strategy=affinity).remote(
-            info.tail_path, _LEFTOVER_WAIT_S
-        )
-        done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
-        leftovers = ray.get(done[0]) if done else None
-    shown = pool.console.printed[rank]
-    unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
-    last = max([shown, *(seq for seq, _, _ in unseen)])
-    chunks = [
-        OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen
-    ]
-    pool.console.write(rank, chunks)
-    return "".join(text for _, _, text in unseen)
-
-
-def _crash_reason(exc: RayActorError, exit_code: int | None, last_words: str) -> str:
-    if exit_code is not None:
-        return f"its process called os._exit({exit_code})"
-    fatal = re.search(r"Fatal Python error: ([^\n]+)", last_words)
-    if fatal:
-        return f"its process died: {fatal.group(1).strip()} (its stack is in its last lines above)"
-    detail = re.search(r"Worker exit detail: ([^.]*)", str(exc))
-    ray_says = f"; Ray says: {detail.group(1)}" if detail else ""
-    return (
-        "its process died without a word: killed by a signal (such as SIGKILL), "
-        f"the out-of-memory killer, or its node was lost{ray_says}"
-    )
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop the jobs still running when the interpreter exits, and say so."""
+    for job in list(_live):
+        if not job.done():
+            print(
+                f"[orchestrator] stopping job {job.name} ({job.status().state}) at exit",
+                file=sys.stderr,
+                flush=True,
+            )
+            job.cancel()

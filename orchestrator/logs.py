@@ -117,6 +117,11 @@ class Console:
         for file in self._files.values():
             file.flush()
 
+    def flush_files(self) -> None:
+        """Flush the log files (so a reader sees every complete line so far)."""
+        for file in list(self._files.values()):
+            file.flush()
+
     def _file(self, rank: int) -> TextIO:
         if rank not in self._files:
             assert self.log_dir is not None

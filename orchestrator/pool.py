@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -14,6 +16,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import cluster, placement
+from orchestrator.errors import PlacementTimeoutError
 from orchestrator.logs import Console
 from orchestrator.placement import Request
 from workers.actor import CONCURRENCY_GROUPS, RankActor
@@ -21,7 +24,14 @@ from workers.environment import order_devices
 from workers.protocol import NodeInfo, RankSpec
 
 _RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)
-_WAIT_NOTICE_S = 5.0
+_WAIT_NOTICE_S = 1.0
+"""A request not placed within this long is announced on the console."""
+_POLL_S = 0.2
+"""How often a wait for placement or for actors checks for a stop request."""
+
+
+class StopRequested(Exception):
+    """The job was cancelled while this thread waited for it."""
 
 ACTOR_NAMESPACE = "orchestrator"
 """Ray namespace of every rank's actor, named `actor_name(...)`, so other drivers find them."""
@@ -54,8 +64,16 @@ class Pool:
         runtime_env: Mapping[str, Any] | None,
         console: Console,
         post_mortem: bool = False,
+        placement_timeout: float | None = None,
+        stop: threading.Event | None = None,
+        on_phase: Callable[[str, str | None], None] | None = None,
     ) -> None:
-        """Reserve one bundle per node, start one actor per rank and learn where they are."""
+        """Reserve one bundle per node, start one actor per rank and learn where they are.
+
+        While the placement group waits for resources, `on_phase("pending", what)` is
+        called; then `on_phase("starting", None)`. A set `stop` ends any wait with
+        StopRequested; `placement_timeout` (seconds) with a PlacementTimeoutError.
+        """
         self.name = name
         self.request = request
         self.actors: list[Any] = []
@@ -65,6 +83,11 @@ class Pool:
         self.dead: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         """Statuses ranks passed to os._exit, as they reported them just before."""
+        self.infos: list[NodeInfo] = []
+        self._stop = stop or threading.Event()
+        self._on_phase = on_phase or (lambda phase, detail: None)
+        self._closing = threading.Lock()
+        self._closed = False
         self.id = uuid.uuid4().hex[:8]
         self.pg = placement_group(
             [request.bundle()] * request.num_nodes,
@@ -72,25 +95,45 @@ class Pool:
             name=f"{name}-{self.id}",
         )
         try:
+            self._place(placement_timeout)
             self._start(env, runtime_env, post_mortem)
         except BaseException:
             self.shutdown()
             raise
 
+    def _place(self, timeout: float | None) -> None:
+        """Wait until the placement group is placed, saying what it waits for."""
+        ready = self.pg.ready()
+        started = time.monotonic()
+        announced = False
+        while not self._wait([ready]):
+            waited = time.monotonic() - started
+            free = placement.format_resources(ray.available_resources())
+            waiting_for = f"waiting for {self.request.describe()}; free now: {{{free}}}"
+            self._on_phase("pending", waiting_for)
+            if timeout is not None and waited >= timeout:
+                raise PlacementTimeoutError(
+                    f"{self.name} could not be placed within placement_timeout={timeout:g} s: "
+                    f"it needs {self.request.describe()}, and the cluster has only "
+                    f"{{{free}}} free (other jobs hold the rest). Raise placement_timeout, "
+                    "or None to wait as long as it takes."
+                )
+            if not announced and waited >= _WAIT_NOTICE_S:
+                print(f"[{self.name}] {waiting_for}", file=sys.stderr, flush=True)
+                announced = True
+        self._on_phase("starting", None)
+
+    def _wait(self, refs: list[ray.ObjectRef]) -> bool:
+        """Wait a moment for all `refs`; True when ready. Raises StopRequested if asked."""
+        if self._stop.is_set():
+            raise StopRequested
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=_POLL_S)
+        return len(done) == len(refs)
+
     def _start(
         self, env: Mapping[str, str], runtime_env: Mapping[str, Any] | None, post_mortem: bool
     ) -> None:
         request = self.request
-        ready = self.pg.ready()
-        done, _ = ray.wait([ready], timeout=_WAIT_NOTICE_S)
-        if not done:
-            print(
-                f"[{self.name}] waiting for resources: {request.describe()}; "
-                f"free now: {{{placement.format_resources(ray.available_resources())}}}",
-                file=sys.stderr,
-                flush=True,
-            )
-            ray.get(ready)
         bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
         driver_node = ray.get_runtime_context().get_node_id()
         bundles = placement.order_bundles(bundle_nodes, driver_node)
@@ -111,10 +154,16 @@ class Pool:
                     namespace=ACTOR_NAMESPACE,
                 ).remote(self.name, slot.rank)
             )
-        infos: list[NodeInfo] = ray.get([a.info.remote() for a in self.actors])
-        self.infos = infos
+        refs = [a.info.remote() for a in self.actors]
+        while not self._wait(refs):
+            pass
+        infos: list[NodeInfo] = ray.get(refs)
         cluster.quiet_crash_notices([info.pid for info in infos])
-        self.next_port: int = ray.get(self.actors[0].open_store.remote())
+        port = self.actors[0].open_store.remote()
+        while not self._wait([port]):
+            pass
+        self.next_port: int = ray.get(port)
+        self.infos = infos
         self.specs = _specs(self.name, request, slots, infos, env, post_mortem=post_mortem)
 
     def specs_for_call(self) -> list[RankSpec]:
@@ -126,13 +175,14 @@ class Pool:
         return [info.pid for info in self.infos]
 
     def shutdown(self) -> None:
-        """Kill every actor and release the placement group; safe to call twice."""
+        """Kill every actor and release the placement group; safe from any thread, twice."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self.actors = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        remove_placement_group(self.pg)
 
 
 def _specs(

@@ -25,12 +25,17 @@ from workers.protocol import RankFailure, RankSpec
 
 def test_public_api_is_small_and_stable():
     assert sorted(orchestrator.__all__) == [
+        "BusyError",
         "ConfigError",
         "DistributedError",
         "DistributedFunction",
+        "Job",
+        "JobStatus",
         "JobTimeoutError",
         "OrchestratorError",
         "PlacementError",
+        "PlacementTimeoutError",
+        "RankStatus",
         "distribute",
     ]
 

@@ -1,0 +1,235 @@
+"""One call in flight: start every rank at once, watch them all, stream output, collect."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from orchestrator.errors import CRASH, describe_rank, distributed_error, timeout_error
+from orchestrator.pool import Pool, StopRequested
+from workers.capture import EXIT_STREAM
+from workers.protocol import OutputChunk, Payload, RankFailure, RankResult
+from workers.tail import read_tail
+
+_GATHER_S = 0.3
+"""After the first failure, how long to keep listening for the others' (for the report)."""
+_DRAIN_POLL_S = 30.0
+"""How long one output request waits on an idle rank before returning empty."""
+
+
+_INLINE_BYTES = 64 * 1024
+"""Payloads up to this size are sent with each rank's task instead of through ray.put."""
+_LEFTOVER_WAIT_S = 0.5
+"""How long to wait for a dead rank's keeper process to save its unread output."""
+_STACKS_WAIT_S = 3.0
+"""How long to wait for the ranks' stacks before reporting without them."""
+
+
+class Call:
+    """One call on every rank of a pool: ranks still running, output still owed, outcomes.
+
+    Ranks are watched as they complete, not in rank order. On the first failure the
+    caller must tear the pool down (the other ranks may be blocked in a collective
+    forever): `wait` raises a DistributedError after a short wait for the others'
+    reports. When `stop` is set (and the ranks killed), `wait` raises StopRequested.
+    """
+
+    def __init__(
+        self,
+        pool: Pool,
+        payload: Payload,
+        timeout: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        """Start the shipped function on every rank of `pool`."""
+        self.pool = pool
+        self.timeout = timeout
+        self.stop = stop or threading.Event()
+        # Large payloads go into the object store once, whatever the number of ranks;
+        # small ones travel inside each task, which saves every rank a fetch.
+        source_size = sum(len(line) for lines in payload.sources.values() for line in lines)
+        shipped: Any = payload
+        if len(payload.call) + source_size > _INLINE_BYTES:
+            # Out of band, each rank reads the bytes in place from the object store.
+            shipped = ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
+        self.runs = {
+            actor.run.remote(spec, shipped): spec.rank
+            for actor, spec in zip(pool.actors, pool.specs_for_call(), strict=True)
+        }
+        self.owed: dict[int, int] = {}  # rank -> output seq to show before it counts as done
+        self.results: dict[int, Any] = {}
+        self.failures: list[RankFailure] = []
+        self.gather_until: float | None = None
+        self.time_limit = None if timeout is None else time.monotonic() + timeout
+
+    def wait(self) -> list[Any]:
+        """Watch every rank until all are done or one failed; results by rank."""
+        console = self.pool.console
+        while self._busy():
+            if self.stop.is_set():
+                raise StopRequested
+            now = time.monotonic()
+            if self.gather_until is not None and now >= self.gather_until:
+                break
+            if self.time_limit is not None and now >= self.time_limit and self.runs:
+                self._time_out()
+            self._request_output()
+            draining = {ref: rank for rank, ref in self.pool.drains.items()}
+            wake = [t for t in (self.gather_until, self.time_limit, console.tick(now)) if t]
+            for ready in _ready([*self.runs, *draining], min(wake) - now if wake else None):
+                if self.stop.is_set():
+                    raise StopRequested
+                if ready in self.runs:
+                    self._take(_outcome(self.pool, self.runs.pop(ready), ready))
+                else:
+                    _show(self.pool, draining[ready], ready)
+        console.flush()
+        if self.failures:
+            raise distributed_error(self.failures, console.log_dir)
+        return [self.results[rank] for rank in range(len(self.pool.actors))]
+
+    def rank_state(self, rank: int, *, stopped: bool) -> str:
+        """finished, failed, running; or `stopped` when the call ended without it."""
+        if rank in self.results:
+            return "finished"
+        if any(f.rank == rank for f in self.failures):
+            return "failed"
+        return "stopped" if stopped else "running"
+
+    def _busy(self) -> bool:
+        printed, dead = self.pool.console.printed, self.pool.dead
+        return bool(self.runs) or any(
+            printed[rank] < seq for rank, seq in self.owed.items() if rank not in dead
+        )
+
+    def _request_output(self) -> None:
+        pool = self.pool
+        for rank, actor in enumerate(pool.actors):
+            if rank not in pool.drains and rank not in pool.dead:
+                pool.drains[rank] = actor.drain.remote(_DRAIN_POLL_S)
+
+    def _take(self, outcome: RankResult | RankFailure) -> None:
+        self.owed[outcome.rank] = outcome.output_seq
+        if isinstance(outcome, RankFailure):
+            self.failures.append(outcome)
+            self.gather_until = self.gather_until or time.monotonic() + _GATHER_S
+            return
+        self.results[outcome.rank] = outcome.value
+        if outcome.next_master_port is not None:
+            self.pool.next_port = outcome.next_master_port
+
+    def _time_out(self) -> None:
+        self.pool.console.flush()
+        ranks = range(len(self.pool.actors))
+        where = {rank: _where(self.pool, rank) for rank in ranks}
+        log_dir = self.pool.console.log_dir
+        raise timeout_error(self.timeout or 0.0, stacks(self.pool), where, log_dir)
+
+
+def _ready(refs: list[ray.ObjectRef], wait_s: float | None) -> list[ray.ObjectRef]:
+    """Wait up to `wait_s` for one of `refs`; then take every other one ready too."""
+    done, rest = ray.wait(refs, num_returns=1, timeout=None if wait_s is None else max(0, wait_s))
+    if done and rest:
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+        done += more
+    return done
+
+
+def stacks(pool: Pool) -> dict[int, str]:
+    """Each rank's current stacks, asked of all ranks at once; never blocks for long."""
+    refs = {actor.stacks.remote(): rank for rank, actor in enumerate(pool.actors)}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_STACKS_WAIT_S)
+    found = {rank: f"(no answer within {_STACKS_WAIT_S:g} s)" for rank in refs.values()}
+    for ref in done:
+        try:
+            found[refs[ref]] = ray.get(ref)
+        except RayActorError:
+            found[refs[ref]] = "(its process is gone)"
+    return found
+
+
+def _where(pool: Pool, rank: int) -> str:
+    info = pool.infos[rank]
+    return describe_rank(rank, pool.specs[rank].local_rank, info.node_ip, info.hostname, info.pid)
+
+
+def _show(pool: Pool, rank: int, ref: ray.ObjectRef) -> None:
+    del pool.drains[rank]
+    try:
+        chunks = ray.get(ref)
+    except RayActorError:
+        pool.dead.add(rank)
+        return
+    for chunk in chunks:
+        if chunk.stream == EXIT_STREAM:
+            pool.exit_codes[rank] = int(chunk.data)
+    pool.console.write(rank, [c for c in chunks if c.stream != EXIT_STREAM])
+
+
+def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFailure:
+    try:
+        return ray.get(ref)
+    except RayActorError as exc:
+        pool.dead.add(rank)
+        info = pool.infos[rank]
+        last_words = _show_leftovers(pool, rank)
+        return RankFailure(
+            rank=rank,
+            local_rank=pool.specs[rank].local_rank,
+            node_ip=info.node_ip,
+            hostname=info.hostname,
+            pid=info.pid,
+            time=time.time(),
+            exc_type=CRASH,
+            message=_crash_reason(exc, pool.exit_codes.get(rank), last_words),
+            traceback="",
+        )
+
+
+_remote_read_tail = ray.remote(num_cpus=0)(read_tail)
+
+
+def _show_leftovers(pool: Pool, rank: int) -> str:
+    """Show what a dead rank wrote in its last instant (saved by its keeper); return it."""
+    info = pool.infos[rank]
+    if not info.tail_path:
+        return ""
+    if info.node_id == ray.get_runtime_context().get_node_id():
+        leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
+    else:  # read on the rank's own node
+        affinity = NodeAffinitySchedulingStrategy(info.node_id, soft=False)
+        ref = _remote_read_tail.options(scheduling_strategy=affinity).remote(
+            info.tail_path, _LEFTOVER_WAIT_S
+        )
+        done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
+        leftovers = ray.get(done[0]) if done else None
+    shown = pool.console.printed[rank]
+    unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
+    last = max([shown, *(seq for seq, _, _ in unseen)])
+    chunks = [
+        OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen
+    ]
+    pool.console.write(rank, chunks)
+    return "".join(text for _, _, text in unseen)
+
+
+def _crash_reason(exc: RayActorError, exit_code: int | None, last_words: str) -> str:
+    if exit_code is not None:
+        return f"its process called os._exit({exit_code})"
+    fatal = re.search(r"Fatal Python error: ([^\n]+)", last_words)
+    if fatal:
+        return f"its process died: {fatal.group(1).strip()} (its stack is in its last lines above)"
+    detail = re.search(r"Worker exit detail: ([^.]*)", str(exc))
+    ray_says = f"; Ray says: {detail.group(1)}" if detail else ""
+    return (
+        "its process died without a word: killed by a signal (such as SIGKILL), "
+        f"the out-of-memory killer, or its node was lost{ray_says}"
+    )

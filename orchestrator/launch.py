@@ -1,0 +1,426 @@
+"""Driver side of `orchestrator run`, `nodes` and `stacks`: ship the working dir, run, report."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+from orchestrator import cluster
+from orchestrator.distribute import distribute
+from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
+from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
+from workers.script import Script, ScriptExit, run_script
+
+DEFAULT_EXCLUDES = (
+    ".git",
+    ".hg",
+    ".venv",
+    "venv",
+    "__pycache__",
+    "*.pyc",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".ipynb_checkpoints",
+    "node_modules",
+    "wandb",
+    "mlruns",
+    "lightning_logs",
+    "checkpoints",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.safetensors",
+)
+"""Never shipped unless --no-default-excludes: environments, caches, checkpoints, run logs."""
+DEFAULT_MAX_UPLOAD = 100 * 1024**2
+"""Largest working dir shipped without --max-upload (Ray's own hard limit is 512 MiB)."""
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124
+"""As timeout(1) exits when its command ran too long."""
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, as a shell reports a command stopped with Ctrl-C."""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class LaunchError(OrchestratorError):
+    """A command line that cannot run: says what to change."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything `orchestrator run` was asked to do."""
+
+    target: str
+    """The script's path, or a module's name with `module`."""
+    args: tuple[str, ...] = ()
+    nproc: int = 1
+    per_node: int | None = None
+    address: str | None = None
+    name: str | None = None
+    timeout: float | None = None
+    module: bool = False
+    working_dir: Path = field(default_factory=Path.cwd)
+    excludes: tuple[str, ...] = ()
+    """Extra gitignore-style patterns left out of the upload."""
+    default_excludes: bool = True
+    max_upload: int = DEFAULT_MAX_UPLOAD
+    upload: bool = True
+    """False: every node sees `working_dir` at the same path; ship nothing."""
+    local_rank_arg: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a working dir upload would hold, after excludes."""
+
+    total: int
+    files: int
+    entries: list[tuple[str, int]]
+    """Top-level files and folders with their sizes, biggest first."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes in '500M', '2G', '1.5GB', '800MiB' or a plain number of bytes (powers of 1024)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size; e.g. 500M, 2G, 1.5GB or 1048576")
+    power = " KMGT".index((match[2] or " ").upper())
+    return int(float(match[1]) * 1024**power)
+
+
+def format_size(size: float) -> str:
+    """'1.5 GB', '12.0 MB', '640 B' (powers of 1024)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"
+
+
+def upload_excludes(options: RunOptions) -> list[str]:
+    """The patterns left out of the upload: the defaults, Ray's own, then the user's."""
+    from ray._private import ray_constants
+
+    defaults = list(DEFAULT_EXCLUDES) if options.default_excludes else []
+    # Ray adds its defaults (.git, .venv, venv, __pycache__) when it packages; they are
+    # in the list measured here too, so the measured size is the uploaded one.
+    return [*defaults, *ray_constants.get_runtime_env_default_excludes(), *options.excludes]
+
+
+def measure(root: Path, excludes: Sequence[str]) -> Measurement:
+    """The size of `root` as Ray would package it: after `excludes`, .gitignore, .rayignore."""
+    # Ray's own traversal, so every rule (gitignore syntax, ignore files in
+    # subfolders, RAY_RUNTIME_ENV_IGNORE_GITIGNORE) matches what is uploaded.
+    from ray._private.runtime_env import packaging
+
+    root = root.absolute()
+    sizes: dict[str, int] = {}
+    files = 0
+
+    def count(path: Path) -> None:
+        nonlocal files
+        if path.is_file():
+            top = path.relative_to(root).parts[0]
+            label = top + "/" if (root / top).is_dir() else top
+            sizes[label] = sizes.get(label, 0) + path.stat().st_size
+            files += 1
+
+    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    packaging._dir_travel(  # noqa: SLF001
+        root,
+        [packaging._get_excludes(root, list(excludes))],  # noqa: SLF001
+        count,
+        include_gitignore=include_gitignore,
+        logger=logging.getLogger(__name__),
+    )
+    entries = sorted(sizes.items(), key=lambda item: -item[1])
+    return Measurement(sum(sizes.values()), files, entries)
+
+
+def check_upload(root: Path, excludes: Sequence[str], limit: int) -> Measurement:
+    """Measure `root`; raise LaunchError naming the biggest entries if it exceeds `limit`."""
+    measured = measure(root, excludes)
+    if measured.total <= limit:
+        return measured
+    biggest = measured.entries[:5]
+    lines = [
+        f"the working dir {root} holds {format_size(measured.total)} in {measured.files} "
+        f"files after excludes, more than the {format_size(limit)} limit for shipping it "
+        "to every node. Biggest entries:",
+        *(f"  {format_size(size):>10}  {name}" for name, size in biggest),
+        "Leave them out with --exclude (gitignore patterns, repeatable), e.g. "
+        f"--exclude {biggest[0][0].rstrip('/')}; or list them in .gitignore or .rayignore;",
+        f"or raise the limit, e.g. --max-upload {_round_up(measured.total)}; or pass "
+        "--no-upload when every node sees this folder at the same path (a shared "
+        "filesystem).",
+    ]
+    raise LaunchError("\n".join(lines))
+
+
+def script_for(options: RunOptions, *, shipped: bool) -> Script:
+    """What every rank runs; the script's path relative to the working dir when shipped."""
+    root = options.working_dir.absolute()
+    if not root.is_dir():
+        raise LaunchError(f"--working-dir {options.working_dir}: no such folder")
+    if options.module:
+        target = options.target
+    else:
+        path = Path(options.target).absolute()
+        if not path.is_file():
+            raise LaunchError(
+                f"{options.target}: no such file (from {Path.cwd()}); to run a module "
+                "as `python -m` would, use -m NAME"
+            )
+        if not path.is_relative_to(root):
+            raise LaunchError(
+                f"{options.target} is outside the working dir {root}, which is what every "
+                "node gets: run from a folder that holds it, or pass --working-dir"
+            )
+        target = str(path.relative_to(root))
+    return Script(
+        target=target,
+        args=tuple(options.args),
+        module=options.module,
+        cwd=None if shipped else str(root),
+        local_rank_arg=options.local_rank_arg,
+    )
+
+
+def job_name(options: RunOptions) -> str:
+    """--name, else the script's file name (or the module's last part) without `.py`."""
+    if options.name is not None:
+        return options.name
+    raw = options.target.rsplit(".", 1)[-1] if options.module else Path(options.target).stem
+    return _NAME_CHARS.sub("_", raw).strip("_.-")[:64] or "job"
+
+
+def validate(options: RunOptions) -> list[str]:
+    """Problems with the command line, in its own spelling, before anything starts."""
+    problems = []
+    if options.nproc < 1:
+        problems.append(f"--nproc {options.nproc}: must be at least 1")
+    per_node = options.per_node
+    if per_node is not None:
+        if per_node < 1:
+            problems.append(f"--per-node {per_node}: must be at least 1")
+        elif options.nproc >= 1 and options.nproc % per_node:
+            valid = [d for d in range(1, options.nproc + 1) if options.nproc % d == 0]
+            problems.append(
+                f"--per-node {per_node} does not divide --nproc {options.nproc}; "
+                f"valid: {', '.join(map(str, valid))}"
+            )
+    if options.timeout is not None and options.timeout <= 0:
+        problems.append(f"--timeout {options.timeout:g}: must be a number of seconds > 0")
+    if options.max_upload < 0:
+        problems.append(f"--max-upload {options.max_upload}: must be a size >= 0")
+    return problems
+
+
+def cluster_address(address: str | None) -> str | None:
+    """The cluster to join: `address`, RAY_ADDRESS, a live `ray start` here; None for none."""
+    return address or os.environ.get("RAY_ADDRESS") or cluster._local_cluster()[0]  # noqa: SLF001
+
+
+def run(options: RunOptions) -> int:
+    """Run the script on every rank; the exit status (0: every rank succeeded)."""
+    problems = validate(options)
+    if problems:
+        raise LaunchError("\n".join(problems))
+    target = cluster_address(options.address)
+    # The embedded local instance runs on this machine: the ranks read the files in place.
+    shipped = bool(target) and options.upload
+    script = script_for(options, shipped=shipped)
+    fn = distribute(
+        run_script,
+        num_replicas=options.nproc,
+        replicas_per_node=options.per_node,
+        name=job_name(options),
+        address=options.address,
+        timeout=options.timeout,
+        env=dict(options.env),
+    )
+    try:
+        if shipped:
+            _join_and_ship(target or "", options)
+        with fn:
+            fn(script)
+    except JobTimeoutError as err:
+        _report(err)
+        return EXIT_TIMEOUT
+    except DistributedError as err:
+        _report(err)
+        return _exit_status(err)
+    except KeyboardInterrupt as exc:
+        _say(str(exc) or "interrupted")
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _join_and_ship(address: str, options: RunOptions) -> None:
+    """Join the cluster with the working dir as the job's runtime_env, after the size guard."""
+    # Ray adds its own default excludes unless told not to; ours already hold them,
+    # and this way the list measured is exactly the list Ray applies.
+    excludes = upload_excludes(options)
+    os.environ["RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"] = ""
+    root = options.working_dir.absolute()
+    measured = check_upload(root, excludes, options.max_upload)
+    _say(
+        f"shipping {root} to the cluster at {address}: {measured.files} files, "
+        f"{format_size(measured.total)}"
+    )
+    # Per-actor runtime_envs take URIs only; the job's own takes a local folder and
+    # uploads it once (content-addressed: an unchanged folder is not sent again).
+    ray.init(
+        address=address,
+        runtime_env={"working_dir": str(root), "excludes": excludes},
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
+
+
+def _report(err: DistributedError) -> None:
+    sys.stdout.flush()
+    print(f"\n[orchestrator] the job failed: {err}", file=sys.stderr, flush=True)
+
+
+def _exit_status(err: DistributedError) -> int:
+    """The root cause's own sys.exit status, if that is what failed; else 1."""
+    root = err.root_cause
+    if root is None or root.exception is None or not root.exc_type.endswith(".ScriptExit"):
+        return EXIT_FAILED
+    try:
+        exc = pickle.loads(root.exception)  # noqa: S301 - our own rank's record
+    except Exception:  # noqa: BLE001 - the generic status will do
+        return EXIT_FAILED
+    status = exc.status if isinstance(exc, ScriptExit) else EXIT_FAILED
+    return status if 0 < status < 256 else EXIT_FAILED
+
+
+def connect_existing(address: str | None) -> None:
+    """Join a running cluster (never start one): `address`, RAY_ADDRESS, or `ray start` here."""
+    if ray.is_initialized():
+        return
+    target = cluster_address(address)
+    if not target:
+        raise LaunchError(
+            "no Ray cluster to look at: pass --address HOST:PORT or set RAY_ADDRESS "
+            "(`orchestrator run` without either starts a Ray instance of its own; "
+            "it prints how to reach it)"
+        )
+    ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
+
+
+def nodes(address: str | None) -> int:
+    """Print the cluster's live nodes and what each offers ranks; the exit status."""
+    connect_existing(address)
+    rows = [("NODE IP", "NODE ID", "CPUS", "GPUS", "GPU TYPE", "MEMORY", "OTHER")]
+    total_cpus = total_gpus = 0.0
+    found = sorted(cluster.nodes(), key=lambda n: n.ip)
+    for node in found:
+        res = node.resources
+        total_cpus += res.get("CPU", 0)
+        total_gpus += res.get("GPU", 0)
+        types = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
+        other = {
+            k: v
+            for k, v in res.items()
+            if k not in ("CPU", "GPU", "memory", "object_store_memory")
+            and not k.startswith(("node:", "accelerator_type:"))
+        }
+        rows.append(
+            (
+                node.ip,
+                node.node_id[:12],
+                f"{res.get('CPU', 0):g}",
+                f"{res.get('GPU', 0):g}",
+                ",".join(types) or "-",
+                format_size(res.get("memory", 0)),
+                ", ".join(f"{k}={v:g}" for k, v in sorted(other.items())) or "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print(f"{len(found)} node(s): {total_cpus:g} CPUs, {total_gpus:g} GPUs in all")
+    return 0
+
+
+def running_jobs() -> dict[tuple[str, str], dict[int, str]]:
+    """Ranks' actor names of every running job, by (job name, pool id), then by rank."""
+    jobs: dict[tuple[str, str], dict[int, str]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        parsed = parse_actor_name(entry["name"]) if entry["namespace"] == ACTOR_NAMESPACE else None
+        if parsed is not None:
+            job, pool_id, rank = parsed
+            jobs.setdefault((job, pool_id), {})[rank] = entry["name"]
+    return jobs
+
+
+def stacks(name: str, address: str | None, wait_s: float = 10.0) -> int:
+    """Print the live stacks of every rank of job `name` (or NAME-POOLID); the exit status."""
+    connect_existing(address)
+    jobs = running_jobs()
+    chosen = {
+        key: ranks for key, ranks in jobs.items() if name in (key[0], f"{key[0]}-{key[1]}")
+    }
+    if not chosen:
+        running = sorted({f"{job} ({job}-{pool}, {len(r)} ranks)" for (job, pool), r in jobs.items()})
+        listing = "; running: " + ", ".join(running) if running else "; no job is running there"
+        raise LaunchError(f"no running job named {name!r} on this cluster{listing}")
+    if len(chosen) > 1:
+        _say(
+            f"{len(chosen)} jobs are named {name!r}; showing each (pick one with "
+            f"NAME-POOLID: {', '.join(f'{j}-{p}' for j, p in sorted(chosen))})"
+        )
+    for (job, pool_id), ranks in sorted(chosen.items()):
+        if len(chosen) > 1:
+            print(f"=== {job}-{pool_id} ===")
+        for rank, text in _rank_stacks(ranks, wait_s).items():
+            print(f"--- rank {rank} ---\n{text}\n", flush=True)
+    return 0
+
+
+def _rank_stacks(actor_names: dict[int, str], wait_s: float) -> dict[int, str]:
+    """Each rank's stacks, by rank; a rank that cannot answer says why instead."""
+    texts: dict[int, str] = {}
+    refs: dict[ray.ObjectRef, int] = {}
+    for rank, actor_name in sorted(actor_names.items()):
+        try:
+            actor = ray.get_actor(actor_name, namespace=ACTOR_NAMESPACE)
+        except ValueError:
+            texts[rank] = "(the rank's actor is gone)"
+            continue
+        refs[actor.stacks.remote()] = rank
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+    for ref, rank in refs.items():
+        if ref not in done:
+            texts[rank] = f"(no answer within {wait_s:g} s)"
+            continue
+        try:
+            texts[rank] = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            texts[rank] = f"(no answer: {type(exc).__name__})"
+    return dict(sorted(texts.items()))
+
+
+def _round_up(size: int) -> str:
+    gib = size / 1024**3
+    return f"{int(gib) + 1}G" if gib >= 1 else f"{int(size / 1024**2) + 1}M"
+
+
+def _say(message: str) -> None:
+    print(f"[orchestrator] {message}", file=sys.stderr, flush=True)
