@@ -1,4 +1,4 @@
-"""The `orchestrator` command line: `attach` to a rank's debugger."""
+"""The `orchestrator` command line: `run` a script on every rank, `nodes`, `stacks`, `attach`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ import argparse
 import contextlib
 import socket
 import sys
+import textwrap
 import threading
+from pathlib import Path
+
+from orchestrator import launch
+from orchestrator.errors import OrchestratorError
 
 
 def attach(address: str) -> int:
@@ -32,10 +37,188 @@ def attach(address: str) -> int:
     return 0
 
 
+RUN_EXAMPLE = """\
+Runs SCRIPT as __main__ on every rank, with the environment torchrun gives its
+workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*): a script written for torchrun runs unchanged.
+
+example (4 ranks on 2 nodes, on the cluster at HEAD_IP:6379):
+  orchestrator run --nproc 4 --per-node 2 --address HEAD_IP:6379 \\
+      train.py --arch resnet50 --batch_size 64
+
+  Every rank's lines are shown prefixed with "[train r2]". Exit status: 0 when every
+  rank succeeded (sys.exit(0) included); else the failing rank's sys.exit status, or
+  1 with its traceback printed last; 124 after --timeout; 130 after Ctrl-C, which
+  stops every rank on every node.
+
+the working dir:
+  On a cluster, the current folder (--working-dir) is shipped to every node and each
+  rank runs in its copy, so the modules beside the script import there. Left out:
+%(excludes)s,
+  anything in .gitignore or .rayignore, and --exclude PATTERN. Folders holding more
+  than --max-upload (default %(limit)s) are refused before anything starts. Without
+  --address, RAY_ADDRESS or a `ray start` cluster on this machine, an embedded Ray
+  instance runs the ranks here, in the current folder, and nothing is shipped.
+
+legacy torch.distributed.launch scripts:
+  --local-rank-arg local_rank   passes --local_rank=N before the script's arguments
+  --local-rank-arg local-rank   passes --local-rank=N
+"""
+
+
+def _size(text: str) -> int:
+    try:
+        return launch.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE, e.g. NCCL_DEBUG=INFO")
+    return key, value
+
+
+def _add_run(commands: argparse._SubParsersAction) -> None:
+    run_cmd = commands.add_parser(
+        "run",
+        help="run a torchrun-style script on every rank of a Ray cluster",
+        description="Run a Python script (or -m module) as a torch.distributed job on Ray.",
+        epilog=RUN_EXAMPLE
+        % {
+            "excludes": textwrap.fill(
+                ", ".join(launch.DEFAULT_EXCLUDES),
+                width=84,
+                initial_indent="  ",
+                subsequent_indent="  ",
+            ),
+            "limit": launch.format_size(launch.DEFAULT_MAX_UPLOAD),
+        },
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [options] (SCRIPT | -m MODULE) [script args ...]",
+    )
+    run_cmd.add_argument("--nproc", type=int, required=True, metavar="N", help="number of ranks")
+    run_cmd.add_argument(
+        "--per-node",
+        type=int,
+        metavar="N",
+        help="ranks per node (must divide --nproc; default: a node's GPUs, or all on one "
+        "node without GPUs)",
+    )
+    run_cmd.add_argument(
+        "--address", metavar="ADDR", help="Ray cluster, HOST:PORT or ray://HOST:10001"
+    )
+    run_cmd.add_argument(
+        "--name", help="job name: output prefix, and what `stacks` finds (default: the script's)"
+    )
+    run_cmd.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop every rank after this many seconds, showing stacks",
+    )
+    run_cmd.add_argument(
+        "--env",
+        type=_env_pair,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an extra variable for every rank (repeatable)",
+    )
+    run_cmd.add_argument(
+        "--local-rank-arg",
+        choices=["local_rank", "local-rank"],
+        help="pass --local_rank=N / --local-rank=N to the script (torch.distributed.launch)",
+    )
+    run_cmd.add_argument(
+        "--working-dir",
+        type=Path,
+        default=Path(),
+        metavar="DIR",
+        help="the folder shipped to every node; must hold the script (default: .)",
+    )
+    run_cmd.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave files matching this gitignore pattern out of the upload (repeatable)",
+    )
+    run_cmd.add_argument(
+        "--no-default-excludes",
+        action="store_true",
+        help="ship the checkpoints, caches and environments left out by default",
+    )
+    run_cmd.add_argument(
+        "--max-upload",
+        type=_size,
+        default=launch.DEFAULT_MAX_UPLOAD,
+        metavar="SIZE",
+        help="largest working dir to ship, e.g. 500M or 2G "
+        f"(default: {launch.format_size(launch.DEFAULT_MAX_UPLOAD)})",
+    )
+    run_cmd.add_argument(
+        "--no-upload",
+        action="store_true",
+        help="ship nothing: every node sees the working dir at the same path",
+    )
+    run_cmd.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="SCRIPT is a module name, run as `python -m` would",
+    )
+    run_cmd.add_argument("script", metavar="SCRIPT", help="the script (or, with -m, the module)")
+    run_cmd.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def _run(args: argparse.Namespace) -> int:
+    options = launch.RunOptions(
+        target=args.script,
+        args=tuple(args.args),
+        nproc=args.nproc,
+        per_node=args.per_node,
+        address=args.address,
+        name=args.name,
+        timeout=args.timeout,
+        module=args.module,
+        working_dir=args.working_dir,
+        excludes=tuple(args.exclude),
+        default_excludes=not args.no_default_excludes,
+        max_upload=args.max_upload,
+        upload=not args.no_upload,
+        local_rank_arg=f"--{args.local_rank_arg}" if args.local_rank_arg else None,
+        env=dict(args.env),
+    )
+    return launch.run(options)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and run the chosen subcommand."""
-    parser = argparse.ArgumentParser(prog="orchestrator", description=__doc__)
+    """Parse the command line and run the chosen subcommand; the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="orchestrator",
+        description=__doc__,
+        epilog="example: orchestrator run --nproc 4 --per-node 2 train.py --epochs 3\n"
+        "`orchestrator COMMAND --help` describes each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands)
+    nodes_cmd = commands.add_parser(
+        "nodes",
+        help="list the cluster's nodes with their CPUs and GPUs",
+        description="List the live nodes of a Ray cluster and what each offers ranks.",
+    )
+    nodes_cmd.add_argument("--address", help="Ray cluster (default: RAY_ADDRESS, or `ray start`)")
+    stacks_cmd = commands.add_parser(
+        "stacks",
+        help="show the current Python stacks of every rank of a running job",
+        description="Show where every rank of a running job is, from another terminal.",
+        epilog="example: orchestrator stacks train --address HEAD_IP:6379",
+    )
+    stacks_cmd.add_argument("name", help="the job's name (its --name), or NAME-POOLID")
+    stacks_cmd.add_argument("--address", help="Ray cluster (default: RAY_ADDRESS, or `ray start`)")
     attach_cmd = commands.add_parser(
         "attach",
         help="open the pdb session of a rank stopped at breakpoint() or post_mortem",
@@ -43,4 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     attach_cmd.add_argument("address", help="HOST:PORT printed by the waiting rank")
     args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "nodes":
+            return launch.nodes(args.address)
+        if args.command == "stacks":
+            return launch.stacks(args.name, args.address)
+    except OrchestratorError as exc:
+        print(f"orchestrator {args.command}: {exc}", file=sys.stderr)
+        return launch.EXIT_USAGE if isinstance(exc, ValueError | launch.LaunchError) else 1
     return attach(args.address)

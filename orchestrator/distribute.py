@@ -6,6 +6,7 @@ import copy
 import itertools
 import os
 import re
+import sys
 import threading
 import time
 import weakref
@@ -20,7 +21,7 @@ import ray
 
 from orchestrator import call, cluster, placement, shipping
 from orchestrator.errors import BusyError, ConfigError
-from orchestrator.job import RUNNING, Job
+from orchestrator.job import PENDING, RUNNING, Job
 from orchestrator.logs import DEFAULT_PREFIX, Console, read_log
 from orchestrator.pool import Pool, StopRequested
 from workers.protocol import Payload
@@ -114,6 +115,16 @@ class _Runner:
                 with self.lock:
                     self.current = None
 
+    def release_if_idle(self, reason: str) -> bool:
+        """Release the warm pool if no call runs or waits on it; True if released."""
+        with self.lock:
+            if self.pool is None or self.current is not None or self.queue:
+                return False
+            pool, self.pool = self.pool, None
+        print(f"[{pool.name}] released its idle ranks: {reason}", file=sys.stderr, flush=True)
+        pool.shutdown()
+        return True
+
     def stop(self, job: Job[Any]) -> None:
         """Kill `job`'s ranks if it is running; a waiting job notices its stop flag."""
         if job.pool is not None:
@@ -134,6 +145,16 @@ class _Runner:
         self.release()
 
 
+_runners: weakref.WeakSet[_Runner] = weakref.WeakSet()
+"""Every function's runner in this process, so a waiting job can reclaim idle pools."""
+
+
+def _reclaim_idle(waiting: str) -> None:
+    """Release this process's idle warm pools, so the waiting job `waiting` can be placed."""
+    for runner in list(_runners):
+        runner.release_if_idle(f"{waiting} is waiting for resources")
+
+
 class DistributedFunction(Generic[P, R]):
     """`fn` run on every rank at once; calling it returns the ranks' results in rank order."""
 
@@ -142,6 +163,7 @@ class DistributedFunction(Generic[P, R]):
         self.fn = fn
         self.options = options
         self._runner = _Runner()
+        _runners.add(self._runner)
         weakref.finalize(self, self._runner.release)
 
     @property
@@ -174,13 +196,21 @@ class DistributedFunction(Generic[P, R]):
         BusyError instead). The Job is a concurrent.futures.Future, awaitable in asyncio.
         """
         data = shipping.payload(self.fn, args, kwargs)
-        job: Job[R] = Job(self.name, self.options.num_replicas, self._runner.stop)
-        job.owner = self  # the pool lives while a job of it is not done
         options = self.options
-        self._runner.submit(job, lambda j: self._execute(j, data, options), options.queue)
+        # Connecting, and an impossible request, are settled here, in the caller's thread.
+        plan = self._plan(options) if self._runner.pool is None else None
+        job: Job[R] = Job(self.name, options.num_replicas, self._runner.stop)
+        job.owner = self  # the pool lives while a job of it is not done
+        self._runner.submit(job, lambda j: self._execute(j, data, options, plan), options.queue)
         return job
 
-    def _execute(self, job: Job[R], data: Payload, options: Options) -> None:
+    def _execute(
+        self,
+        job: Job[R],
+        data: Payload,
+        options: Options,
+        plan: tuple[placement.Request, bool] | None,
+    ) -> None:
         """Run `job` in the runner thread: start the pool if needed, call, settle the job."""
         runner = self._runner
         if job.stop_requested.is_set():
@@ -188,7 +218,7 @@ class DistributedFunction(Generic[P, R]):
             return
         try:
             if runner.pool is None:
-                runner.pool = self._start(job, options)
+                runner.pool = self._start(job, options, plan or self._plan(options))
             pool = job.pool = runner.pool
             if options.log_dir is not None:
                 stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -266,7 +296,8 @@ class DistributedFunction(Generic[P, R]):
         layout = f" ({per_node} per node)" if per_node else ""
         return f"<DistributedFunction {self.name} x{self.options.num_replicas}{layout}>"
 
-    def _start(self, job: Job[R], opts: Options) -> Pool:
+    def _plan(self, opts: Options) -> tuple[placement.Request, bool]:
+        """Connect, lay out the request, fail at once if the cluster can never hold it."""
         cpus_needed = opts.num_replicas * opts.cpus_per_replica
         embedded = cluster.connect(opts.address, min_cpus=cpus_needed)
         nodes = cluster.nodes()
@@ -285,6 +316,10 @@ class DistributedFunction(Generic[P, R]):
             resources_per_replica=dict(opts.resources_per_replica),
         )
         placement.check_feasible(request, [(n.ip, n.resources) for n in nodes], one_node=simulate)
+        return request, simulate
+
+    def _start(self, job: Job[R], opts: Options, plan: tuple[placement.Request, bool]) -> Pool:
+        request, simulate = plan
         env = dict(opts.env)
         runtime_vars = (opts.runtime_env or {}).get("env_vars") or {}
         if "OMP_NUM_THREADS" in runtime_vars:  # the user's choice wins over our default
@@ -302,8 +337,13 @@ class DistributedFunction(Generic[P, R]):
             post_mortem=opts.post_mortem,
             placement_timeout=opts.placement_timeout,
             stop=job.stop_requested,
-            on_phase=job.set_phase,
+            on_phase=lambda phase, detail: self._progress(job, phase, detail),
         )
+
+    def _progress(self, job: Job[R], phase: str, detail: str | None) -> None:
+        if phase == PENDING:
+            _reclaim_idle(self.name)  # an idle warm pool of ours must not block a job of ours
+        job.set_phase(phase, detail)
 
 
 def distribute(

@@ -169,14 +169,17 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
 _live: set[Job[Any]] = set()
 
 
-@atexit.register
-def _stop_at_exit() -> None:
-    """Stop the jobs still running when the interpreter exits, and say so."""
+def stop_all(say: bool = False) -> None:
+    """Cancel every job of this process that is not done (at exit: and say so)."""
     for job in list(_live):
         if not job.done():
-            print(
-                f"[orchestrator] stopping job {job.name} ({job.status().state}) at exit",
-                file=sys.stderr,
-                flush=True,
-            )
+            if say:
+                print(
+                    f"[orchestrator] stopping job {job.name} ({job.status().state}) at exit",
+                    file=sys.stderr,
+                    flush=True,
+                )
             job.cancel()
+
+
+atexit.register(stop_all, say=True)

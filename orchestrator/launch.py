@@ -103,10 +103,14 @@ def parse_size(text: str) -> int:
 
 
 def format_size(size: float) -> str:
-    """'1.5 GB', '12.0 MB', '640 B' (powers of 1024)."""
+    """'1.5 GB', '12 MB', '640 B' (powers of 1024)."""
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+            return (
+                f"{size:.0f} {unit}"
+                if unit == "B"
+                else f"{size:.1f}".removesuffix(".0") + f" {unit}"
+            )
         size /= 1024
     return f"{size:.1f} TB"
 
@@ -140,9 +144,9 @@ def measure(root: Path, excludes: Sequence[str]) -> Measurement:
             files += 1
 
     include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
-    packaging._dir_travel(  # noqa: SLF001
+    packaging._dir_travel(
         root,
-        [packaging._get_excludes(root, list(excludes))],  # noqa: SLF001
+        [packaging._get_excludes(root, list(excludes))],
         count,
         include_gitignore=include_gitignore,
         logger=logging.getLogger(__name__),
@@ -232,7 +236,7 @@ def validate(options: RunOptions) -> list[str]:
 
 def cluster_address(address: str | None) -> str | None:
     """The cluster to join: `address`, RAY_ADDRESS, a live `ray start` here; None for none."""
-    return address or os.environ.get("RAY_ADDRESS") or cluster._local_cluster()[0]  # noqa: SLF001
+    return address or os.environ.get("RAY_ADDRESS") or cluster._local_cluster()[0]
 
 
 def run(options: RunOptions) -> int:
@@ -267,6 +271,9 @@ def run(options: RunOptions) -> int:
     except KeyboardInterrupt as exc:
         _say(str(exc) or "interrupted")
         return EXIT_INTERRUPTED
+    finally:
+        # Leave the cluster (or stop the embedded instance) now, while it is all alive.
+        ray.shutdown()
     return 0
 
 
@@ -374,11 +381,11 @@ def stacks(name: str, address: str | None, wait_s: float = 10.0) -> int:
     """Print the live stacks of every rank of job `name` (or NAME-POOLID); the exit status."""
     connect_existing(address)
     jobs = running_jobs()
-    chosen = {
-        key: ranks for key, ranks in jobs.items() if name in (key[0], f"{key[0]}-{key[1]}")
-    }
+    chosen = {key: ranks for key, ranks in jobs.items() if name in (key[0], f"{key[0]}-{key[1]}")}
     if not chosen:
-        running = sorted({f"{job} ({job}-{pool}, {len(r)} ranks)" for (job, pool), r in jobs.items()})
+        running = sorted(
+            {f"{job} ({job}-{pool}, {len(r)} ranks)" for (job, pool), r in jobs.items()}
+        )
         listing = "; running: " + ", ".join(running) if running else "; no job is running there"
         raise LaunchError(f"no running job named {name!r} on this cluster{listing}")
     if len(chosen) > 1:

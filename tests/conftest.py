@@ -30,6 +30,9 @@ def cluster() -> Iterator[Cluster]:
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)
     yield c
+    from orchestrator.job import stop_all
+
+    stop_all()  # a failed test may leave jobs running: they must not outlive the cluster
     ray.shutdown()
     c.shutdown()
     os.environ.pop("RAY_TMPDIR", None)
