@@ -19,7 +19,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import ray
 
-from orchestrator import call, cluster, placement, shipping
+from orchestrator import call, cluster, notebook, placement, shipping
 from orchestrator.errors import BusyError, ConfigError
 from orchestrator.job import PENDING, RUNNING, Job
 from orchestrator.logs import DEFAULT_PREFIX, Console, read_log
@@ -179,7 +179,7 @@ class DistributedFunction(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run `fn(*args, **kwargs)` on every rank; return each rank's result, by rank."""
-        job = self.submit(*args, **kwargs)
+        job = self._submit(args, kwargs)  # output goes where the caller's prints go
         try:
             return job.result()
         except KeyboardInterrupt:
@@ -194,7 +194,14 @@ class DistributedFunction(Generic[P, R]):
 
         A call submitted while the previous one runs waits for it (queue=False: raises
         BusyError instead). The Job is a concurrent.futures.Future, awaitable in asyncio.
+        In a notebook, the ranks' output is shown in the cell that submitted the job.
         """
+        job = self._submit(args, kwargs)
+        if notebook.in_kernel():
+            job.view = notebook.CellOutput(f"[{self.name}] submitted")
+        return job
+
+    def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Job[R]:
         data = shipping.payload(self.fn, args, kwargs)
         options = self.options
         # Connecting, and an impossible request, are settled here, in the caller's thread.
@@ -226,11 +233,13 @@ class DistributedFunction(Generic[P, R]):
                 job.log_dir = options.log_dir / self.name / folder
                 pool.console.open_logs(job.log_dir)
             job.set_phase(RUNNING)
+            pool.console.sink = job.view.write if job.view is not None else None
             try:
                 job.call = call.Call(pool, data, options.timeout, job.stop_requested)
                 value = job.call.wait()
             finally:
                 pool.console.close_logs()
+                pool.console.sink = None
         except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
             # Ranks may be stuck in a collective: replace the whole pool next time.
             runner.release()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from orchestrator.call import stacks
 from orchestrator.logs import read_log
+from orchestrator.notebook import CellOutput
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
@@ -78,6 +79,8 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         """The submitter's context: a notebook routes output by it to the submitting cell."""
         self.pool: Pool | None = None
         self.call: Call | None = None
+        self.view: CellOutput | None = None
+        """In a notebook, the submitting cell's display that shows the ranks' output."""
         self.owner: Any = None
         """Keeps the distributed function (and its pool) alive while the job is not done."""
         self._stop = stop
@@ -146,7 +149,10 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
     def set_phase(self, phase: str, waiting_for: str | None = None) -> None:
         """Record the job's progress: pending (with what it waits for), starting, running."""
         self._waiting_for = waiting_for
-        self._phase = phase
+        changed, self._phase = phase != self._phase, phase
+        if changed and self.view is not None:
+            detail = f": {waiting_for}" if waiting_for else ""
+            self.view.set_title(f"[{self.name}] {phase}{detail}")
 
     def finish(self, value: list[R] | None = None, error: BaseException | None = None) -> None:
         """Settle the future with the ranks' results or the error (or as cancelled)."""
@@ -154,6 +160,10 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
             _live.discard(self)
             self.owner = None
             self._phase = FAILED if error is not None else FINISHED
+            if self.view is not None:
+                ended = CANCELLED if self.stop_requested.is_set() else self._phase
+                why = f": {str(error).splitlines()[0]}" if error and ended == FAILED else ""
+                self.view.set_title(f"[{self.name}] {ended}{why}")
             if self.stop_requested.is_set() and self.cancelled():
                 self.set_running_or_notify_cancel()  # wake concurrent.futures.wait()ers
                 return

@@ -6,7 +6,7 @@ import codecs
 import os
 import sys
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -59,6 +59,8 @@ class Console:
         """Per rank, the seq of the last chunk taken in."""
         self._streams: dict[tuple[int, str], _Stream] = {}
         self._files: dict[int, TextIO] = {}
+        self.sink: Callable[[str, str], None] | None = None
+        """Where shown lines go instead of stdout/stderr: sink(stream, text)."""
         self.log_dir: Path | None = None
         if log_dir is not None:
             self.open_logs(log_dir)
@@ -139,10 +141,14 @@ class Console:
             return
         out: TextIO = sys.stdout if stream == "stdout" else sys.stderr
         prefix = self.prefix.format(name=self.name, rank=rank)
-        if prefix and _is_tty(out):
+        if prefix and self.sink is None and _is_tty(out):
             prefix = f"\x1b[{_COLOURS[rank % len(_COLOURS)]}m{prefix}\x1b[0m"
         sep = " " if prefix else ""
-        out.write("".join(f"{prefix}{sep}{line}\n" for line in lines))
+        text = "".join(f"{prefix}{sep}{line}\n" for line in lines)
+        if self.sink is not None:
+            self.sink(stream, text)
+            return
+        out.write(text)
         out.flush()
 
 

@@ -29,9 +29,32 @@ CELLS = [
     "def greet(word):\n"
     "    print(f'{word.upper()} again from rank {os.environ[\"RANK\"]}')\n"
     "    return -1\n"
-    "print(train('bye'))\n"
+    "print(train('bye'))",
+    # Submitted: the cell returns at once, and the ranks' lines still land in it.
+    "def slow(word):\n"
+    "    import time\n"
+    "    time.sleep(2)\n"
+    "    print(f'{word} from rank {os.environ[\"RANK\"]}', flush=True)\n"
+    "    return int(os.environ['RANK'])\n"
+    "train = distribute(slow, num_replicas=2, replicas_per_node=1, name='bg')\n"
+    "job = train.submit('later')\n"
+    "print('submitted')",
+    "print('working meanwhile')",
+    "print(job.result())\n"
     "train.shutdown()",
+    # The stop button (nbclient interrupts the kernel when this cell's time is up).
+    "def stuck():\n"
+    "    import time\n"
+    "    time.sleep(300)\n"
+    "stuck_fn = distribute(stuck, num_replicas=2, replicas_per_node=1, name='stuck')\n"
+    "stuck_fn()",
+    "stuck_fn.fn = os.getpid\n"
+    "print(len(stuck_fn()))\n"
+    "stuck_fn.shutdown()",
 ]
+INTERRUPTED = 8
+"""The cell nbclient interrupts after INTERRUPT_AFTER_S, as the stop button would."""
+INTERRUPT_AFTER_S = 20
 
 
 @pytest.fixture
@@ -56,9 +79,23 @@ def _text(cell: nbformat.NotebookNode) -> str:
     )
 
 
+def _displayed(cell: nbformat.NotebookNode) -> str:
+    return "".join(
+        out.get("data", {}).get("text/plain", "")
+        for out in cell.outputs
+        if out.get("output_type") == "display_data"
+    )
+
+
 def test_rank_output_lands_in_the_calling_cell(fresh_ray_dir):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    NotebookClient(nb, timeout=180, kernel_name="python3").execute()
+    nb.cells[INTERRUPTED].metadata["tags"] = ["raises-exception"]
+    NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout_func=lambda cell: INTERRUPT_AFTER_S if cell is nb.cells[INTERRUPTED] else 180,
+        interrupt_on_timeout=True,
+    ).execute()
     first, between, second = (_text(nb.cells[i]) for i in (2, 3, 4))
     assert "[greet r0] hello from rank 0" in first
     assert "[greet r1] hello from rank 1" in first
@@ -67,3 +104,16 @@ def test_rank_output_lands_in_the_calling_cell(fresh_ray_dir):
     assert "[greet r0] BYE again from rank 0" in second
     assert "[greet r1] BYE again from rank 1" in second
     assert "[-1, -1]" in second
+    submitting, meanwhile, waiting = nb.cells[5], nb.cells[6], nb.cells[7]
+    assert _text(submitting) == "submitted\n"
+    shown = _displayed(submitting)
+    assert "[bg r0] later from rank 0" in shown, submitting.outputs
+    assert "[bg r1] later from rank 1" in shown
+    assert shown.startswith("[bg] finished")
+    assert _text(meanwhile) == "working meanwhile\n"
+    assert _text(waiting) == "[0, 1]\n"
+    assert not _displayed(waiting) and not _displayed(meanwhile)
+    errors = [o for o in nb.cells[INTERRUPTED].outputs if o.get("output_type") == "error"]
+    assert [e["ename"] for e in errors] == ["KeyboardInterrupt"]
+    assert "all 2 ranks of stuck were stopped" in errors[0]["evalue"]
+    assert _text(nb.cells[INTERRUPTED + 1]) == "2\n"  # fresh ranks, same function
