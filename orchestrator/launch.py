@@ -268,8 +268,8 @@ def run(options: RunOptions) -> int:
     except DistributedError as err:
         _report(err)
         return _exit_status(err)
-    except KeyboardInterrupt as exc:
-        _say(str(exc) or "interrupted")
+    except KeyboardInterrupt:
+        _say(f"interrupted: every rank of {fn.name} was stopped")
         return EXIT_INTERRUPTED
     finally:
         # Leave the cluster (or stop the embedded instance) now, while it is all alive.

@@ -1,0 +1,368 @@
+"""`orchestrator run / nodes / stacks`: torchrun-style scripts on the session's Ray cluster.
+
+Each `run` is a fresh `python -m orchestrator` process joining the two-node cluster of
+conftest.py with --address, so the working dir really travels through Ray's runtime_env.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+from orchestrator import distribute
+from orchestrator.cli import main
+from orchestrator.launch import DEFAULT_EXCLUDES, LaunchError, check_upload, measure
+from tests.test_examples import TORCHRUN, message_lines, run_example
+from workers.script import Script, ScriptExit, run_script
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 180
+_INHERITED = ("RAY_ADDRESS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def cli_env(tmp: Path) -> dict[str, str]:
+    """This process's environment (RAY_TMPDIR of the session cluster) minus launcher leftovers."""
+    env = {k: v for k, v in os.environ.items() if k not in _INHERITED}
+    env["ORCHESTRATOR_LOG_DIR"] = str(tmp / "logs")
+    env.pop("PYTHONUNBUFFERED", None)
+    return env
+
+
+def cli(command: str, *, cwd: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m orchestrator COMMAND` in `cwd`; its exit status and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *shlex.split(command)],
+        cwd=cwd,
+        env=cli_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+def show(proc: subprocess.CompletedProcess[str]) -> str:
+    """Everything a failed assertion should show."""
+    return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+
+
+def write(folder: Path, files: dict[str, str]) -> Path:
+    """Create `files` (relative path -> text, dedented) under `folder`; return `folder`."""
+    for name, text in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return folder
+
+
+# --- the rank side, in this process (no Ray) ---------------------------------------------
+
+
+def test_run_script_exit_statuses_argv_and_local_rank(tmp_path, monkeypatch):
+    write(
+        tmp_path,
+        {
+            "s.py": """\
+                import sys, helper
+                print("ARGV", sys.argv[1:], __name__, helper.X)
+                if sys.argv[-1] != "ok":
+                    sys.exit(int(sys.argv[-1]) if sys.argv[-1].isdigit() else sys.argv[-1])
+            """,
+            "helper.py": "X = 7\n",
+        },
+    )
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    before = (sys.argv[:], sys.path[:], os.getcwd())
+    for last in ("ok", "0"):
+        run_script(Script("s.py", (last,), cwd=str(tmp_path), local_rank_arg="--local-rank"))
+    assert (sys.argv, sys.path, os.getcwd()) == before
+    for last, status in (("3", 3), ("bad news", 1)):
+        with pytest.raises(ScriptExit) as caught:
+            run_script(Script("s.py", (last,), cwd=str(tmp_path)))
+        assert caught.value.status == status
+        assert f"sys.exit({caught.value.code!r})" in str(caught.value)
+        # The traceback starts in the script, where sys.exit was called.
+        frames = [f.filename for f in traceback.extract_tb(caught.value.__traceback__)]
+        assert frames[1:] == [str(tmp_path / "s.py")], frames
+    assert (sys.argv, sys.path, os.getcwd()) == before
+
+
+def test_run_script_as_module_sets_argv_like_python(tmp_path, capfd):
+    write(tmp_path, {"pkg/__init__.py": "", "pkg/main.py": "import sys; print(sys.argv)\n"})
+    run_script(Script("pkg.main", ("a", "--b"), module=True, cwd=str(tmp_path)))
+    assert capfd.readouterr().out.strip() == str([str(tmp_path / "pkg" / "main.py"), "a", "--b"])
+
+
+# --- the driver side, before anything starts ----------------------------------------------
+
+
+def test_measure_honours_default_user_and_ignore_file_excludes(tmp_path):
+    write(
+        tmp_path,
+        {
+            "train.py": "x" * 100,
+            "data/a.bin": "d" * 5000,
+            "checkpoints/last.pt": "c" * 9000,
+            "model.pt": "m" * 9000,
+            ".gitignore": "secret/\n",
+            "secret/keys": "s" * 9000,
+            "sub/.rayignore": "*.log\n",
+            "sub/run.log": "l" * 9000,
+            "sub/mod.py": "y" * 10,
+        },
+    )
+    measured = measure(tmp_path, [*DEFAULT_EXCLUDES, ".git"])
+    # sub/ keeps mod.py and its .rayignore; the checkpoints, secret/ and run.log stay home.
+    assert dict(measured.entries) == {"data/": 5000, "train.py": 100, "sub/": 16, ".gitignore": 8}
+    assert measure(tmp_path, [*DEFAULT_EXCLUDES, "data"]).total == 124
+    with pytest.raises(LaunchError) as caught:
+        check_upload(tmp_path, DEFAULT_EXCLUDES, limit=1000)
+    message = str(caught.value)
+    assert "4.9 KB" in message and "data/" in message and "--exclude data" in message
+    assert "--max-upload" in message
+
+
+def test_bad_layout_is_reported_in_the_command_line_s_terms(tmp_path, capsys):
+    assert main(["run", "--nproc", "4", "--per-node", "3", "x.py"]) == 2
+    assert "--per-node 3 does not divide --nproc 4; valid: 1, 2, 4" in capsys.readouterr().err
+    assert main(["run", "--nproc", "2", str(tmp_path / "missing.py")]) == 2
+    assert "missing.py: no such file" in capsys.readouterr().err
+
+
+def test_size_guard_refuses_before_connecting(tmp_path):
+    project = write(tmp_path / "p", {"train.py": "print('never')\n"})
+    (project / "data").mkdir()
+    (project / "data" / "blob.bin").write_bytes(os.urandom(3 * 1024 * 1024))
+    # Nothing listens at this address: reaching it would fail differently, and slowly.
+    proc = cli(
+        "run --nproc 2 --address 127.0.0.1:9 --max-upload 1M train.py",
+        cwd=project,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 2, show(proc)
+    assert "3 MB" in proc.stderr and "data/" in proc.stderr, show(proc)
+    assert "--exclude data" in proc.stderr and "--max-upload" in proc.stderr
+    assert "never" not in proc.stdout
+
+
+# --- real runs on the session cluster ------------------------------------------------------
+
+
+def test_message_passing_unchanged_under_torchrun_and_the_launcher(cluster, tmp_path):
+    proc = cli(
+        f"run --nproc 4 --per-node 2 --address {cluster.address} "
+        "examples/message_passing.py --backend=gloo",
+        cwd=ROOT,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 0, show(proc)
+    lines = sorted(line for line in proc.stdout.splitlines() if line.strip())
+    assert lines == message_lines("[message_passing r{}] "), show(proc)
+    torchrun = run_example(
+        "message_passing.py",
+        "--backend=gloo",
+        launcher=(str(TORCHRUN), "--standalone", "--nproc_per_node=4"),
+    )
+    for line in message_lines():
+        assert torchrun.stdout.count(line) == 1, torchrun.stdout
+
+
+def test_resnet_guide_script_on_two_nodes(cluster, tmp_path):
+    proc = cli(
+        f"run --nproc 2 --per-node 1 --address {cluster.address} "
+        "examples/resnet.py --arch resnet18 --use_syn --batch_size 4 --steps 2 --image-size 32",
+        cwd=ROOT,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 0, show(proc)
+    assert re.search(r"^\[resnet r0\] Throughput: \d+\.\d+ images/s", proc.stdout, re.M), show(proc)
+    assert "resnet18: 2 rank(s), gloo" in proc.stdout
+
+
+def test_failing_rank_root_cause_last_and_exit_zero_is_success(cluster, tmp_path):
+    project = write(
+        tmp_path / "p",
+        {
+            "fail.py": """\
+                import os, sys, time
+                rank = int(os.environ["RANK"])
+
+                def explode():
+                    raise ValueError("rank one is broken")
+
+                if rank == 0:
+                    print("rank 0 leaves with sys.exit(0)", flush=True)
+                    sys.exit(0)
+                time.sleep(0.5)
+                explode()
+            """
+        },
+    )
+    proc = cli(
+        f"run --nproc 2 --per-node 1 --address {cluster.address} fail.py",
+        cwd=project,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 1, show(proc)
+    assert "[fail r0] rank 0 leaves with sys.exit(0)" in proc.stdout
+    report = proc.stderr[proc.stderr.index("[orchestrator] the job failed: ") :]
+    assert report.splitlines()[0].endswith("raised ValueError: rank one is broken"), show(proc)
+    assert "rank 1 (local rank 0)" in report.splitlines()[0]
+    assert 'fail.py", line 5, in explode' in report
+    assert "other rank(s) failed" not in report  # rank 0's sys.exit(0) is no failure
+    assert "[fail r" not in report  # every line of the ranks came before it
+
+
+def test_working_dir_shipped_helper_imports_and_local_rank_arg(cluster, tmp_path):
+    project = write(
+        tmp_path / "proj",
+        {
+            "train.py": """\
+                import argparse, os
+                import helper
+                parser = argparse.ArgumentParser()
+                parser.add_argument("--local_rank", type=int, required=True)
+                parser.add_argument("--tag")
+                args = parser.parse_args()
+                print(f"rank={os.environ['RANK']} local_rank={args.local_rank} "
+                      f"tag={args.tag} helper={helper.VALUE} cwd={os.getcwd()} "
+                      f"checkpoints={os.path.exists('checkpoints')}", flush=True)
+            """,
+            "helper.py": "VALUE = 'beside'\n",
+            "checkpoints/big.pt": "not shipped\n",
+        },
+    )
+    proc = cli(
+        f"run --nproc 2 --per-node 1 --address {cluster.address} "
+        "--local-rank-arg local_rank train.py --tag x",
+        cwd=project,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 0, show(proc)
+    assert "shipping" in proc.stderr
+    found = re.findall(
+        r"rank=(\d) local_rank=(\d) tag=x helper=beside cwd=(\S+) checkpoints=False", proc.stdout
+    )
+    assert sorted(r[:2] for r in found) == [("0", "0"), ("1", "0")], show(proc)
+    for _, _, cwd in found:  # each rank runs in Ray's unpacked copy, not the original
+        assert cwd != str(project) and Path(cwd).name != "proj", cwd
+
+
+def test_module_in_place_with_no_upload(cluster, tmp_path):
+    project = write(
+        tmp_path / "proj",
+        {
+            "pkg/__init__.py": "",
+            "pkg/job.py": """\
+                import os, sys
+                print("MODULE", __name__, sys.argv[1:], os.getcwd(), os.environ["WORLD_SIZE"])
+            """,
+        },
+    )
+    proc = cli(
+        f"run --nproc 1 --address {cluster.address} --no-upload -m pkg.job hello --flag",
+        cwd=project,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 0, show(proc)
+    assert f"[job r0] MODULE __main__ ['hello', '--flag'] {project} 1" in proc.stdout, show(proc)
+
+
+def test_nodes_lists_each_node_with_cpus_and_gpus(cluster, tmp_path):
+    proc = cli(f"nodes --address {cluster.address}", cwd=tmp_path, tmp=tmp_path)
+    assert proc.returncode == 0, show(proc)
+    rows = [line.split() for line in proc.stdout.splitlines()[1:-1]]
+    assert [row[2:4] for row in rows] == [["4", "2"], ["4", "2"]], proc.stdout
+    assert proc.stdout.splitlines()[-1] == "2 node(s): 8 CPUs, 4 GPUs in all"
+
+
+def test_stacks_of_a_job_run_elsewhere_then_ctrl_c_stops_it(cluster, tmp_path, capsys):
+    project = write(
+        tmp_path / "p",
+        {
+            "stuck.py": """\
+                import time
+                import torch.distributed as dist
+
+                def wait_for_rank_0():
+                    dist.barrier()
+
+                dist.init_process_group("gloo")
+                print("ready", flush=True)
+                if dist.get_rank() == 0:
+                    time.sleep(600)
+                wait_for_rank_0()
+            """
+        },
+    )
+    command = f"run --nproc 2 --per-node 1 --address {cluster.address} --name stuck stuck.py"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *shlex.split(command)],
+        cwd=project,
+        env=cli_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        ready = 0
+        assert job.stdout is not None
+        for line in job.stdout:
+            ready += line.endswith("ready\n")
+            if ready == 2:
+                break
+        assert ready == 2, job.stderr.read() if job.stderr else ""
+
+        assert main(["stacks", "nothing-here"]) == 2
+        err = capsys.readouterr().err
+        assert "no running job named 'nothing-here'" in err and "stuck (stuck-" in err
+
+        # A second pool with the same name, from this process: both are shown.
+        other = distribute(time.sleep, num_replicas=1, name="stuck")
+
+        def sleep_there() -> None:
+            with contextlib.suppress(Exception):  # cancelled by the shutdown below
+                other(30)
+
+        sleeper = threading.Thread(target=sleep_there, daemon=True)
+        sleeper.start()
+        try:
+            out = ""
+            deadline = time.monotonic() + 60
+            while out.count("=== stuck-") < 2 and time.monotonic() < deadline:
+                assert main(["stacks", "stuck"]) == 0
+                out = capsys.readouterr().out
+        finally:
+            other.shutdown()
+        blocks = out.split("=== stuck-")
+        assert len(blocks) == 3, out
+        ours = next(b for b in blocks if "--- rank 1 ---" in b)
+        rank0, rank1 = ours.split("--- rank 1 ---")
+        assert "time.sleep(600)" in rank0, out
+        assert "in wait_for_rank_0" in rank1 and "dist.barrier()" in rank1, out
+
+        job.send_signal(signal.SIGINT)
+        _, err = job.communicate(timeout=60)
+        assert job.returncode == 130, err
+        assert "interrupted: every rank of stuck was stopped" in err
+        deadline = time.monotonic() + 30
+        while main(["stacks", "stuck"]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "no running job named 'stuck'" in capsys.readouterr().err
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()

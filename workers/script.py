@@ -1,0 +1,111 @@
+"""A rank's side of `orchestrator run`: run a script or module as `__main__`, as python would."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+_HIDDEN = frozenset({__name__, "runpy"})
+"""Modules whose frames are cut from a script's traceback, so the user's code starts it."""
+
+
+@dataclass(frozen=True)
+class Script:
+    """What every rank runs: a file or a module, its arguments, and where."""
+
+    target: str
+    """A file's path relative to `cwd` (or absolute), or a module's dotted name."""
+    args: tuple[str, ...] = ()
+    """sys.argv[1:]."""
+    module: bool = False
+    """Run `target` as `python -m` would."""
+    cwd: str | None = None
+    """Folder to run in; None: stay in the actor's own (Ray's unpacked working_dir)."""
+    local_rank_arg: str | None = None
+    """'--local-rank' or '--local_rank': passed as `--local-rank=N` before `args`, as
+    torch.distributed.launch did."""
+
+
+class ScriptExit(Exception):
+    """The script called sys.exit() with a failure status."""
+
+    def __init__(self, code: object) -> None:
+        """`code`: what was passed to sys.exit() (an int, or a message meaning 1)."""
+        self.code = code
+        super().__init__(f"the script called sys.exit({code!r})")
+
+    def __reduce__(self) -> tuple[type[ScriptExit], tuple[object]]:
+        """Pickle with the exit code, not the message."""
+        return (ScriptExit, (self.code,))
+
+    @property
+    def status(self) -> int:
+        """The process exit status python would have used: the int, else 1."""
+        code = self.code
+        return code if isinstance(code, int) and not isinstance(code, bool) else 1
+
+
+def run_script(script: Script) -> None:
+    """Run `script` as `__main__` with sys.argv set; sys.exit(0) or None is success.
+
+    sys.path[0] is the script's folder (for a module, the working folder), as python
+    sets it. sys.argv, sys.path and the working folder are restored afterwards.
+    """
+    saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
+    try:
+        if script.cwd is not None:
+            if not Path(script.cwd).is_dir():
+                raise FileNotFoundError(
+                    f"the working folder {script.cwd} does not exist on this node "
+                    f"(rank {os.environ.get('RANK')}, {os.uname().nodename}); without "
+                    "--no-upload it is shipped to every node"
+                )
+            os.chdir(script.cwd)
+        args = list(script.args)
+        if script.local_rank_arg:
+            args.insert(0, f"{script.local_rank_arg}={os.environ.get('LOCAL_RANK', '0')}")
+        _execute(script, args)
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            return
+        # A bare `raise` adds no traceback entry for this frame: the report starts at
+        # the user's code (the actor drops its own frame), where sys.exit was called.
+        user_tb = _user_frames(exc.__traceback__)
+        try:
+            raise ScriptExit(exc.code) from None
+        except ScriptExit as failure:
+            failure.with_traceback(user_tb)
+            raise
+    except BaseException as exc:
+        exc.with_traceback(_user_frames(exc.__traceback__))
+        raise
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+        os.chdir(saved_cwd)
+
+
+def _execute(script: Script, args: list[str]) -> None:
+    if script.module:
+        sys.path.insert(0, os.getcwd())
+        sys.argv = [script.target, *args]  # run_module puts the module's file in argv[0]
+        runpy.run_module(script.target, run_name="__main__", alter_sys=True)
+        return
+    path = Path(script.target).absolute()
+    if not path.is_file():
+        where = "it was not shipped" if script.cwd is None else "it is not there on this node"
+        raise FileNotFoundError(f"no script {path} on rank {os.environ.get('RANK')}: {where}")
+    sys.path.insert(0, str(path.parent))
+    sys.argv = [script.target, *args]
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """`tb` from the first frame of the user's code on (all of it if there is none)."""
+    first = tb
+    while first is not None and first.tb_frame.f_globals.get("__name__") in _HIDDEN:
+        first = first.tb_next
+    return first if first is not None else tb
