@@ -48,6 +48,9 @@ class Call:
         payload: Payload,
         timeout: float | None = None,
         stop: threading.Event | None = None,
+        *,
+        restart_count: int = 0,
+        max_restarts: int = 0,
     ) -> None:
         """Start the shipped function on every rank of `pool`."""
         self.pool = pool
@@ -60,9 +63,10 @@ class Call:
         if len(payload.call) + source_size > _INLINE_BYTES:
             # Out of band, each rank reads the bytes in place from the object store.
             shipped = ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
+        specs = pool.specs_for_call(restart_count, max_restarts)
         self.runs = {
             actor.run.remote(spec, shipped): spec.rank
-            for actor, spec in zip(pool.actors, pool.specs_for_call(), strict=True)
+            for actor, spec in zip(pool.actors, specs, strict=True)
         }
         self.owed: dict[int, int] = {}  # rank -> output seq to show before it counts as done
         self.results: dict[int, Any] = {}

@@ -18,9 +18,10 @@ from types import TracebackType
 from typing import Any, Generic, ParamSpec, TypeVar
 
 import ray
+from ray.exceptions import RayActorError
 
 from orchestrator import call, cluster, notebook, placement, shipping
-from orchestrator.errors import BusyError, ConfigError
+from orchestrator.errors import CRASH, BusyError, ConfigError, DistributedError, OrchestratorError
 from orchestrator.job import PENDING, RUNNING, Job
 from orchestrator.logs import DEFAULT_PREFIX, Console, read_log
 from orchestrator.pool import Pool, StopRequested
@@ -61,6 +62,10 @@ class Options:
     """Seconds to wait for resources other jobs hold (None: as long as it takes)."""
     queue: bool = True
     """A call submitted while the previous one runs waits for it; False: BusyError."""
+    max_restarts: int = 0
+    """After a failed attempt, restart every rank on a fresh pool up to this many times."""
+    restart_on: str = "any"
+    """"any" failure, or only a "crash" (a rank's process died or its node was lost)."""
 
 
 def default_log_dir() -> Path:
@@ -149,6 +154,18 @@ _runners: weakref.WeakSet[_Runner] = weakref.WeakSet()
 """Every function's runner in this process, so a waiting job can reclaim idle pools."""
 
 
+def _restartable(error: BaseException, options: Options, restarts: int) -> bool:
+    """Whether a failed attempt is to be followed by another (max_restarts, restart_on)."""
+    if restarts >= options.max_restarts:
+        return False
+    if isinstance(error, RayActorError):  # an actor lost while the pool started
+        return True
+    if not isinstance(error, DistributedError):
+        return False
+    root = error.root_cause
+    return options.restart_on == "any" or (root is not None and root.exc_type == CRASH)
+
+
 def _reclaim_idle(waiting: str) -> None:
     """Release this process's idle warm pools, so the waiting job `waiting` can be placed."""
     for runner in list(_runners):
@@ -218,45 +235,79 @@ class DistributedFunction(Generic[P, R]):
         options: Options,
         plan: tuple[placement.Request, bool] | None,
     ) -> None:
-        """Run `job` in the runner thread: start the pool if needed, call, settle the job."""
+        """Run `job` in the runner thread: start the pool if needed, call, settle the job.
+
+        With `max_restarts`, a failed attempt is followed by a fresh pool (laid out on
+        the nodes alive now) and a fresh rendezvous, up to `max_restarts` times.
+        """
         runner = self._runner
-        if job.stop_requested.is_set():
-            job.finish()
-            return
-        try:
-            if runner.pool is None:
-                runner.pool = self._start(job, options, plan or self._plan(options))
-            pool = job.pool = runner.pool
-            if options.log_dir is not None:
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                folder = f"{stamp}-{os.getpid()}-{next(runner.calls)}"
-                job.log_dir = options.log_dir / self.name / folder
-                pool.console.open_logs(job.log_dir)
-            job.set_phase(RUNNING)
-            pool.console.sink = job.view.write if job.view is not None else None
+        earlier: list[BaseException] = []
+        while not job.stop_requested.is_set():
             try:
-                job.call = call.Call(pool, data, options.timeout, job.stop_requested)
-                value = job.call.wait()
-            finally:
-                pool.console.close_logs()
-                pool.console.sink = None
-        except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
-            # Ranks may be stuck in a collective: replace the whole pool next time.
-            runner.release()
-            job.finish(error=None if isinstance(exc, StopRequested) else exc)
-        else:
+                value = self._attempt(job, data, options, plan, len(earlier))
+            except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
+                # Ranks may be stuck in a collective: replace the whole pool next time.
+                runner.release()
+                if isinstance(exc, StopRequested) or job.stop_requested.is_set():
+                    break
+                if _restartable(exc, options, len(earlier)):
+                    earlier.append(exc)
+                    job.restarted(exc)
+                    plan = None  # lay out again, on the nodes alive now
+                    continue
+                if earlier and isinstance(exc, OrchestratorError):
+                    exc.earlier_attempts = tuple(earlier)  # type: ignore[attr-defined]
+                job.finish(error=exc)
+                return
             job.finish(value)
+            return
+        job.finish()  # cancelled
+
+    def _attempt(
+        self,
+        job: Job[R],
+        data: Payload,
+        options: Options,
+        plan: tuple[placement.Request, bool] | None,
+        restart_count: int,
+    ) -> list[R]:
+        runner = self._runner
+        if runner.pool is None:
+            runner.pool = self._start(job, options, plan or self._plan(options))
+        pool = job.pool = runner.pool
+        if options.log_dir is not None and job.log_dir is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            folder = f"{stamp}-{os.getpid()}-{next(runner.calls)}"
+            job.log_dir = options.log_dir / self.name / folder
+        if job.log_dir is not None:
+            pool.console.open_logs(job.log_dir)
+        job.set_phase(RUNNING)
+        pool.console.sink = job.view.write if job.view is not None else None
+        try:
+            job.call = call.Call(
+                pool,
+                data,
+                options.timeout,
+                job.stop_requested,
+                restart_count=restart_count,
+                max_restarts=options.max_restarts,
+            )
+            return job.call.wait()
+        finally:
+            pool.console.close_logs()
+            pool.console.sink = None
 
     def with_options(self, **changes: Any) -> DistributedFunction[P, R]:
         """The same function and warm pool with other per-call options.
 
-        Accepted: timeout, placement_timeout, queue (as for `distribute`).
+        Accepted: timeout, placement_timeout, queue, max_restarts, restart_on.
         """
-        unknown = sorted(set(changes) - {"timeout", "placement_timeout", "queue"})
+        allowed = {"timeout", "placement_timeout", "queue", "max_restarts", "restart_on"}
+        unknown = sorted(set(changes) - allowed)
         if unknown:
             raise ConfigError(
-                f"with_options() got {', '.join(unknown)}; valid: timeout, placement_timeout, "
-                "queue (the layout is fixed: make a new distribute() for another)"
+                f"with_options() got {', '.join(unknown)}; valid: {', '.join(sorted(allowed))} "
+                "(the layout is fixed: make a new distribute() for another)"
             )
         options = replace(self.options, **changes)
         problems = _validate_calls(options)
@@ -374,6 +425,8 @@ def distribute(
     post_mortem: bool = False,
     placement_timeout: float | None = None,
     queue: bool = True,
+    max_restarts: int = 0,
+    restart_on: str = "any",
 ) -> DistributedFunction[P, R]:
     """Make `fn` a function that runs on `num_replicas` ranks of a torch.distributed job.
 
@@ -386,7 +439,10 @@ def distribute(
     When other jobs hold the resources, the first call waits for them (the console
     says what for), or raises PlacementTimeoutError after `placement_timeout` seconds.
     `.submit(...)` returns a Job at once; with `queue=False` a call submitted while
-    the previous one runs raises BusyError instead of waiting for it.
+    the previous one runs raises BusyError instead of waiting for it. `max_restarts=N`
+    restarts every rank on a fresh pool after a failure (`restart_on="crash"`: only when
+    a rank's process died or its node was lost), up to N times per call; each rank
+    reads the attempt number from RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT).
     """
     if log_dir is True:
         folder: Path | None = default_log_dir()
@@ -411,6 +467,8 @@ def distribute(
         post_mortem=bool(post_mortem),
         placement_timeout=placement_timeout,
         queue=queue,
+        max_restarts=max_restarts,
+        restart_on=restart_on,
     )
     problems = validate(fn, options)
     if problems:
@@ -479,6 +537,13 @@ def _validate_calls(o: Options) -> list[str]:
             )
     if not isinstance(o.queue, bool):
         problems.append(f"queue={o.queue!r}: must be True (wait for the previous call) or False")
+    if not _is_int(o.max_restarts) or o.max_restarts < 0:
+        problems.append(f"max_restarts={o.max_restarts!r}: must be an int >= 0 (0: fail fast)")
+    if o.restart_on not in ("any", "crash"):
+        problems.append(
+            f"restart_on={o.restart_on!r}: must be 'any' (every failure) or 'crash' "
+            "(only a dead process or a lost node)"
+        )
     return problems
 
 

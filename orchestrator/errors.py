@@ -65,6 +65,8 @@ class DistributedError(OrchestratorError):
     failures: list[RankFailure]
     log_dir: Path | None
     """The failed call's per-rank log files (rank-N.log), every rank's output."""
+    earlier_attempts: tuple[DistributedError, ...] = ()
+    """With max_restarts: the failures of the attempts before this one, oldest first."""
 
     def __str__(self) -> str:
         """The full report (the message is built from the failure records)."""
@@ -73,7 +75,7 @@ class DistributedError(OrchestratorError):
         report = format_report(self.root_cause, self.failures)
         if self.log_dir is not None:
             report += f"\n\nEvery rank's output: {self.log_dir}/rank-N.log"
-        return report
+        return report + format_earlier(self.earlier_attempts)
 
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during the failed call."""
@@ -101,7 +103,23 @@ class JobTimeoutError(DistributedError, TimeoutError):
             lines += ["", f"--- {self.where.get(rank, f'rank {rank}')} ---", self.stacks[rank]]
         if self.log_dir is not None:
             lines += ["", f"Every rank's output: {self.log_dir}/rank-N.log"]
-        return "\n".join(lines)
+        return "\n".join(lines) + format_earlier(self.earlier_attempts)
+
+
+def summary(error: BaseException) -> str:
+    """One line for a failed attempt: the root cause's rank and error, or the timeout."""
+    root = getattr(error, "root_cause", None)
+    if isinstance(root, RankFailure):
+        return describe(root, limit=200)
+    return str(error).strip().split("\n", 1)[0]
+
+
+def format_earlier(earlier: Sequence[BaseException]) -> str:
+    """The tail of a report after restarts: how each earlier attempt failed."""
+    if not earlier:
+        return ""
+    lines = [f"  attempt {n}: {summary(e)}" for n, e in enumerate(earlier)]
+    return f"\n\nThe {len(earlier)} earlier attempt(s) failed too:\n" + "\n".join(lines)
 
 
 def timeout_error(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from orchestrator.call import stacks
+from orchestrator.errors import summary
 from orchestrator.logs import read_log
 from orchestrator.notebook import CellOutput
 
@@ -51,12 +52,17 @@ class JobStatus:
     ranks: tuple[RankStatus, ...]
     waiting_for: str | None = None
     """While pending: what it needs and what the cluster has free now."""
+    restarts: int = 0
+    """How many times the job was restarted (max_restarts); the attempt is restarts + 1."""
+    failed_attempts: tuple[str, ...] = ()
+    """One line per failed attempt: which rank, where, and why."""
 
     def __str__(self) -> str:
         """E.g. 'train: running (r0 finished, r1 running)'."""
         detail = f"; {self.waiting_for}" if self.waiting_for else ""
+        restarts = f", restarted {self.restarts}x" if self.restarts else ""
         ranks = ", ".join(f"r{r.rank} {r.state}" for r in self.ranks)
-        return f"{self.name}: {self.state}{detail} ({ranks})"
+        return f"{self.name}: {self.state}{detail}{restarts} ({ranks})"
 
 
 class Job(Future, Generic[R]):  # type: ignore[type-arg]
@@ -86,6 +92,7 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         self._stop = stop
         self._phase = QUEUED
         self._waiting_for: str | None = None
+        self._failed_attempts: list[str] = []
         self._finish_lock = threading.RLock()
         _live.add(self)
 
@@ -120,7 +127,8 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
                 RankStatus(rank, state, info.node_ip if info else None, info.pid if info else None)
             )
         waiting = self._waiting_for if phase == PENDING else None
-        return JobStatus(self.name, phase, tuple(ranks), waiting)
+        attempts = tuple(self._failed_attempts)
+        return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts)
 
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during this job (so far, while it runs)."""
@@ -153,6 +161,20 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         if changed and self.view is not None:
             detail = f": {waiting_for}" if waiting_for else ""
             self.view.set_title(f"[{self.name}] {phase}{detail}")
+
+    def restarted(self, error: BaseException) -> None:
+        """Record a failed attempt that is followed by a restart, and say so."""
+        self._failed_attempts.append(summary(error))
+        attempt = len(self._failed_attempts)
+        line = (
+            f"[{self.name}] attempt {attempt} failed: {summary(error)}; "
+            f"restarting all {self.num_ranks} ranks (restart {attempt})"
+        )
+        if self.view is not None:
+            self.view.write("stderr", line + "\n")
+        else:
+            print(line, file=sys.stderr, flush=True)
+        self.set_phase(STARTING)
 
     def finish(self, value: list[R] | None = None, error: BaseException | None = None) -> None:
         """Settle the future with the ranks' results or the error (or as cancelled)."""

@@ -166,9 +166,17 @@ class Pool:
         self.infos = infos
         self.specs = _specs(self.name, request, slots, infos, env, post_mortem=post_mortem)
 
-    def specs_for_call(self) -> list[RankSpec]:
-        """Each rank's spec with this call's MASTER_PORT."""
-        return [replace(spec, master_port=self.next_port) for spec in self.specs]
+    def specs_for_call(self, restart_count: int = 0, max_restarts: int = 0) -> list[RankSpec]:
+        """Each rank's spec with this call's MASTER_PORT and attempt number."""
+        return [
+            replace(
+                spec,
+                master_port=self.next_port,
+                restart_count=restart_count,
+                max_restarts=max_restarts,
+            )
+            for spec in self.specs
+        ]
 
     def pids(self) -> list[int]:
         """Process ids of the ranks' actors, by rank."""

@@ -54,8 +54,9 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
         # so the port cannot be taken between choosing and binding it.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RUN_ID": spec.job_name,
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RESTART_COUNT": str(spec.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "RESTART_COUNT": str(spec.restart_count),
         "OMP_NUM_THREADS": str(max(1, int(spec.cpus))),
         "ORCHESTRATOR_NODE_IP": spec.node_ip,
     }

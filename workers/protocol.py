@@ -44,6 +44,9 @@ class RankSpec:
     """Open a debugger in the failing frame before reporting an exception."""
     env: dict[str, str] = field(default_factory=dict)
     """The user's extra variables; they win over ours."""
+    restart_count: int = 0
+    """How many times the job was restarted before this attempt."""
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,124 @@
+"""Fault tolerance: max_restarts restarts every rank on a fresh pool, on the nodes alive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from ray.util import placement_group_table
+
+from orchestrator import DistributedError, distribute
+
+from .conftest import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
+
+
+def crash_once(folder: str, crash: bool = True) -> tuple[str, str, int, float]:
+    """Rank 3 kills its own process on attempt 0; every rank notes each attempt it saw."""
+    import torch
+    import torch.distributed as dist
+
+    rank, attempt = os.environ["RANK"], os.environ["RESTART_COUNT"]
+    with open(Path(folder) / f"rank{rank}", "a") as seen:
+        seen.write(f"{attempt} {os.environ['TORCHELASTIC_RESTART_COUNT']}\n")
+    dist.init_process_group("gloo")
+    if crash and rank == "3" and attempt == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return attempt, os.environ["NODE_RANK"], os.getpid(), total.item()
+
+
+def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd):
+    fn = distribute(crash_once, num_replicas=4, replicas_per_node=2, max_restarts=2, name="ft")
+    job = fn.submit(str(tmp_path))
+    results = job.result(timeout=180)
+    assert [(a, node, total) for a, node, _, total in results] == [
+        ("1", "0", 4.0), ("1", "0", 4.0), ("1", "1", 4.0), ("1", "1", 4.0),
+    ]
+    for rank in range(4):  # every rank saw attempt 0, then attempt 1
+        assert (tmp_path / f"rank{rank}").read_text() == "0 0\n1 1\n"
+    status = job.status()
+    assert status.state == "finished" and status.restarts == 1
+    assert "rank 3" in status.failed_attempts[0] and "crashed" in status.failed_attempts[0]
+    err = capfd.readouterr().err
+    assert "[ft] attempt 1 failed: rank 3 (local rank 1)" in err
+    assert "restarting all 4 ranks" in err
+
+    # The pool of the successful attempt is the warm pool now: same processes, attempt 0.
+    pids = [pid for _, _, pid, _ in results]
+    again = fn(str(tmp_path), False)
+    assert [pid for _, _, pid, _ in again] == pids
+    assert {a for a, _, _, _ in again} == {"0"}
+    fn.shutdown()
+    wait_resources_back()
+
+
+def always_raises() -> None:
+    raise ValueError(f"bad batch on rank {os.environ['RANK']}")
+
+
+def test_restart_on_crash_only_and_the_earlier_attempts_in_the_error(cluster, capfd):
+    only_crashes = distribute(
+        always_raises, num_replicas=2, replicas_per_node=1, max_restarts=3, restart_on="crash"
+    )
+    with pytest.raises(ValueError, match="bad batch") as info:
+        only_crashes()
+    assert info.value.earlier_attempts == ()  # a raise is not a crash: no restart
+    assert "restarting" not in capfd.readouterr().err
+
+    anything = only_crashes.with_options(restart_on="any", max_restarts=1)
+    with pytest.raises(DistributedError, match="bad batch") as info:
+        anything()
+    assert len(info.value.earlier_attempts) == 1
+    assert "The 1 earlier attempt(s) failed too:\n  attempt 0: rank" in str(info.value)
+    assert capfd.readouterr().err.count("restarting all 2 ranks") == 1
+
+    # max_restarts=0 (the default) fails fast, as before.
+    with pytest.raises(ValueError):
+        distribute(always_raises, num_replicas=2, replicas_per_node=1)()
+    assert "restarting" not in capfd.readouterr().err
+    only_crashes.shutdown()
+    wait_resources_back()
+
+
+def hold_then_sum(seconds: float) -> tuple[str, str]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if os.environ["RESTART_COUNT"] == "0":
+        time.sleep(seconds)  # the node is removed meanwhile
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    import ray
+
+    return os.environ["RESTART_COUNT"], ray.get_runtime_context().get_node_id()
+
+
+def test_losing_a_node_restarts_the_job_on_the_remaining_nodes(cluster):
+    wait_resources_back()
+    cluster.add_node(num_cpus=CPUS_PER_NODE, num_gpus=GPUS_PER_NODE)
+    cluster.wait_for_nodes()
+    fn = distribute(hold_then_sum, num_replicas=4, replicas_per_node=2, max_restarts=1, name="lose")
+    job = fn.submit(120)
+    deadline = time.monotonic() + 90
+    while job.status().state != "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.pool is not None
+    second_node = job.pool.infos[2].node_id  # ranks 2-3: never the driver's (head) node
+    victim = next(n for n in cluster.list_all_nodes() if n.node_id == second_node)
+    cluster.remove_node(victim, allow_graceful=False)
+
+    results = job.result(timeout=180)
+    assert [attempt for attempt, _ in results] == ["1"] * 4
+    assert second_node not in {node for _, node in results}
+    assert job.status().restarts == 1
+    groups = [g for g in placement_group_table().values() if g["name"].startswith("lose-")]
+    assert sorted(g["state"] for g in groups) == ["CREATED", "REMOVED"]
+    fn.shutdown()
+    wait_resources_back()  # whichever node went, the session's cluster has 2 x 2 GPUs again
