@@ -225,3 +225,26 @@ def test_a_driver_that_exits_leaves_nothing_behind(cluster, tmp_path, how):
         assert "the driver gives up" in err
         assert "stopping job hold (running) at exit" in err
     wait_resources_back(timeout=60)
+
+
+def print_then_sleep(seconds: float) -> None:
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+    time.sleep(seconds)
+
+
+def test_a_running_job_shows_its_logs_and_stacks(cluster):
+    fn = distribute(print_then_sleep, num_replicas=2, replicas_per_node=1, gpus_per_replica=0)
+    job = fn.submit(30)
+    wait_for(lambda: job.log_dir is not None and "hello" in job.logs(1), 90, "rank 1's line")
+    assert job.logs(0) == "hello from rank 0\n"
+    stacks = job.stacks()
+    assert sorted(stacks) == [0, 1]
+    assert all("print_then_sleep" in text and "time.sleep" in text for text in stacks.values())
+    assert fn.stacks().keys() == stacks.keys()
+    status = job.status()
+    assert [(r.rank, r.state) for r in status.ranks] == [(0, "running"), (1, "running")]
+    assert all(r.pid for r in status.ranks)
+    assert str(status).startswith("print_then_sleep: running (r0 running, r1 running)")
+    job.cancel()
+    assert job.stacks() == {}
+    fn.shutdown()
