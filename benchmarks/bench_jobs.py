@@ -13,6 +13,7 @@ bound by the cores: eight processes import torch at once).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -76,6 +77,28 @@ def measure(count: int, seconds: float, repeats: int) -> dict[str, dict[str, flo
     }
 
 
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def cancel_latency(repeats: int) -> float:
+    """Median seconds from cancel() of a running 4-rank job until its processes are gone."""
+    times = []
+    for _ in range(repeats):
+        fn = distribute(_sleep, num_replicas=4, replicas_per_node=2, log_dir=False)
+        job = fn.submit(300)
+        while job.status().state != "running":
+            time.sleep(0.01)
+        pids = fn.pids()
+        start = time.perf_counter()
+        job.cancel()
+        while any(os.path.exists(f"/proc/{pid}") for pid in pids):
+            time.sleep(0.005)
+        times.append(time.perf_counter() - start)
+        fn.shutdown()
+    return statistics.median(times)
+
+
 def main() -> None:
     """Run the comparison and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -97,6 +120,8 @@ def main() -> None:
             f"| {mode} | {row['one']:.2f} s | {row['sequential']:.2f} s | "
             f"{row['concurrent']:.2f} s | {speed_up:.2f}x |"
         )
+    latency = cancel_latency(args.repeats)
+    print(f"\ncancel() of a running 4-rank job: its processes gone after {latency:.3f} s (median)")
 
 
 if __name__ == "__main__":
