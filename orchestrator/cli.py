@@ -236,4 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     except OrchestratorError as exc:
         print(f"orchestrator {args.command}: {exc}", file=sys.stderr)
         return launch.EXIT_USAGE if isinstance(exc, ValueError | launch.LaunchError) else 1
+    except ConnectionError as exc:  # ray.init could not reach the cluster
+        print(f"orchestrator {args.command}: {exc}", file=sys.stderr)
+        return 1
     return attach(args.address)

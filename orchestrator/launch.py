@@ -324,9 +324,10 @@ def connect_existing(address: str | None) -> None:
     target = cluster_address(address)
     if not target:
         raise LaunchError(
-            "no Ray cluster to look at: pass --address HOST:PORT or set RAY_ADDRESS "
-            "(`orchestrator run` without either starts a Ray instance of its own; "
-            "it prints how to reach it)"
+            "no Ray cluster to look at: pass --address HOST:PORT or set RAY_ADDRESS. "
+            "A run without either uses a Ray instance embedded in its own process, which "
+            "other processes cannot reach: to look at local runs from here, start Ray "
+            "with `ray start --head` first"
         )
     ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
 

@@ -366,3 +366,24 @@ def test_stacks_of_a_job_run_elsewhere_then_ctrl_c_stops_it(cluster, tmp_path, c
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+
+
+def test_exit_status_of_sys_exit_and_of_a_timeout(cluster, tmp_path):
+    project = write(
+        tmp_path / "p",
+        {
+            "three.py": "import sys\nsys.exit(3)\n",
+            "sleepy.py": "import time\nprint('asleep', flush=True)\ntime.sleep(600)\n",
+        },
+    )
+    proc = cli(f"run --nproc 1 --address {cluster.address} three.py", cwd=project, tmp=tmp_path)
+    assert proc.returncode == 3, show(proc)
+    assert "ScriptExit: the script called sys.exit(3)" in proc.stderr, show(proc)
+    proc = cli(
+        f"run --nproc 1 --address {cluster.address} --timeout 2 sleepy.py",
+        cwd=project,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 124, show(proc)
+    assert "the call did not finish within 2 s" in proc.stderr
+    assert "time.sleep(600)" in proc.stderr.split("did not finish")[1]
