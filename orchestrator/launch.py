@@ -257,10 +257,12 @@ def run(options: RunOptions) -> int:
         timeout=options.timeout,
         env=dict(options.env),
     )
+    started = False
     try:
         if shipped:
             _join_and_ship(target or "", options)
         with fn:
+            started = True
             fn(script)
     except JobTimeoutError as err:
         _report(err)
@@ -269,7 +271,7 @@ def run(options: RunOptions) -> int:
         _report(err)
         return _exit_status(err)
     except KeyboardInterrupt:
-        _say(f"interrupted: every rank of {fn.name} was stopped")
+        _say(f"interrupted: every rank of {fn.name} was stopped" if started else "interrupted")
         return EXIT_INTERRUPTED
     finally:
         # Leave the cluster (or stop the embedded instance) now, while it is all alive.
