@@ -119,6 +119,21 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         help="stop every rank after this many seconds, showing stacks",
     )
     run_cmd.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after a failure, restart every rank up to N times (each reads RESTART_COUNT "
+        "and TORCHELASTIC_RESTART_COUNT); default 0",
+    )
+    run_cmd.add_argument(
+        "--restart-on",
+        choices=["any", "crash"],
+        default="any",
+        help="restart after any failure (default), or only when a rank's process died or "
+        "its node was lost",
+    )
+    run_cmd.add_argument(
         "--env",
         type=_env_pair,
         action="append",
@@ -182,6 +197,8 @@ def _run(args: argparse.Namespace) -> int:
         address=args.address,
         name=args.name,
         timeout=args.timeout,
+        max_restarts=args.max_restarts,
+        restart_on=args.restart_on,
         module=args.module,
         working_dir=args.working_dir,
         excludes=tuple(args.exclude),

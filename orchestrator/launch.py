@@ -71,6 +71,8 @@ class RunOptions:
     address: str | None = None
     name: str | None = None
     timeout: float | None = None
+    max_restarts: int = 0
+    restart_on: str = "any"
     module: bool = False
     working_dir: Path = field(default_factory=Path.cwd)
     excludes: tuple[str, ...] = ()
@@ -229,6 +231,8 @@ def validate(options: RunOptions) -> list[str]:
             )
     if options.timeout is not None and options.timeout <= 0:
         problems.append(f"--timeout {options.timeout:g}: must be a number of seconds > 0")
+    if options.max_restarts < 0:
+        problems.append(f"--max-restarts {options.max_restarts}: must be 0 or more")
     if options.max_upload < 0:
         problems.append(f"--max-upload {options.max_upload}: must be a size >= 0")
     return problems
@@ -256,6 +260,8 @@ def run(options: RunOptions) -> int:
         address=options.address,
         timeout=options.timeout,
         env=dict(options.env),
+        max_restarts=options.max_restarts,
+        restart_on=options.restart_on,
     )
     started = False
     try:

@@ -387,3 +387,31 @@ def test_exit_status_of_sys_exit_and_of_a_timeout(cluster, tmp_path):
     assert proc.returncode == 124, show(proc)
     assert "the call did not finish within 2 s" in proc.stderr
     assert "time.sleep(600)" in proc.stderr.split("did not finish")[1]
+
+
+def test_max_restarts_restarts_a_crashed_script(cluster, tmp_path):
+    project = write(
+        tmp_path / "p",
+        {
+            "flaky.py": """\
+                import os, signal
+                import torch.distributed as dist
+
+                dist.init_process_group("gloo")
+                attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+                if os.environ["RANK"] == "1" and attempt == "0":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                dist.barrier()
+                print(f"attempt {attempt} done", flush=True)
+            """
+        },
+    )
+    proc = cli(
+        f"run --nproc 2 --per-node 1 --max-restarts 1 --address {cluster.address} flaky.py",
+        cwd=project,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 0, show(proc)
+    assert "[flaky] attempt 1 failed: rank 1" in proc.stderr, show(proc)
+    assert sorted(re.findall(r"\[flaky r(\d)\] attempt 1 done", proc.stdout)) == ["0", "1"]
+    assert "attempt 0 done" not in proc.stdout
