@@ -353,6 +353,7 @@ def test_stacks_of_a_job_run_elsewhere_then_ctrl_c_stops_it(cluster, tmp_path, c
         rank0, rank1 = ours.split("--- rank 1 ---")
         assert "time.sleep(600)" in rank0, out
         assert "in wait_for_rank_0" in rank1 and "dist.barrier()" in rank1, out
+        assert "runpy" not in ours and "run_script" not in ours, out  # from the user's code
 
         job.send_signal(signal.SIGINT)
         _, err = job.communicate(timeout=60)

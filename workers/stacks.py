@@ -53,8 +53,17 @@ def _frames(frame: FrameType | None) -> list[FrameType]:
 def _after_entry(frames: list[FrameType], entry: str) -> list[FrameType] | None:
     for i, f in enumerate(frames):
         if f.f_code.co_name == entry and f.f_code.co_filename.startswith(_OURS):
-            return frames[i + 1 :]
+            after = frames[i + 1 :]
+            # A launched script runs under our runner and runpy: start at the user's code.
+            start = 0
+            while start < len(after) - 1 and (_is_ours(after[start]) or _is_runpy(after[start])):
+                start += 1
+            return after[start:]
     return None
+
+
+def _is_runpy(frame: FrameType) -> bool:
+    return frame.f_code.co_filename.endswith(("runpy.py", "<frozen runpy>"))
 
 
 def _is_ours(frame: FrameType) -> bool:
