@@ -37,7 +37,12 @@ from pathlib import Path
 import torch, torch.distributed as dist
 folder, rank = Path(sys.argv[1]), os.environ["RANK"]
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-dist.init_process_group("gloo")
+# torchrun reuses its store across restarts and attempt 1's gloo reads attempt 0's dead
+# peers' addresses from it ("Connection refused"): a prefix per attempt works around that.
+master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+store = dist.PrefixStore(f"attempt-{attempt}", master)
+world = int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", store=store, rank=int(rank), world_size=world)
 (folder / f"start-{attempt}-{rank}").write_text(f"{started!r} {time.time()!r}")
 if attempt == "0":
     if rank == "1":
