@@ -74,48 +74,77 @@ def default_log_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "orchestrator" / "logs"
 
 
-class _Runner:
-    """Runs a function's jobs one after another on its warm pool, in a background thread.
-
-    Shared by a function and its `with_options` copies, apart from the function
-    object, so that a finalizer can release the pool.
-    """
+class _PoolBox:
+    """Holds a function's warm pool apart from everything else, for the finalizer."""
 
     def __init__(self) -> None:
         self.pool: Pool | None = None
+
+    def release(self) -> None:
+        """Stop the pool's actors and give back its resources."""
+        pool, self.pool = self.pool, None
+        if pool is not None and ray.is_initialized():
+            pool.shutdown()
+
+
+class _Runner:
+    """Runs a function's jobs one after another on its warm pool, in a background thread.
+
+    Shared by a function and its `with_options` copies; when the last of them and
+    the thread are gone, a finalizer releases the pool.
+    """
+
+    def __init__(self) -> None:
+        self.box = _PoolBox()
         self.lock = threading.Lock()
-        self.queue: deque[Job[Any]] = deque()
+        self.queue: deque[tuple[Job[Any], Callable[[Job[Any]], None]]] = deque()
         self.current: Job[Any] | None = None
         self.thread: threading.Thread | None = None
         self.calls = itertools.count(1)
         self.last: Job[Any] | None = None
+        weakref.finalize(self, self.box.release)
+
+    @property
+    def pool(self) -> Pool | None:
+        """The warm pool, if one is running."""
+        return self.box.pool
+
+    @pool.setter
+    def pool(self, pool: Pool | None) -> None:
+        self.box.pool = pool
+
+    def busy_with(self) -> Job[Any] | None:
+        """The job that runs or waits on this function now, if any."""
+        waiting = [job for job, _ in self.queue if not job.done()]
+        current = self.current if self.current is not None and not self.current.done() else None
+        return current or (waiting[0] if waiting else None)
 
     def submit(self, job: Job[Any], start: Callable[[Job[Any]], None], queue: bool) -> None:
         """Queue `job`; `start(job)` is run for it in the runner thread when its turn comes."""
         with self.lock:
-            busy = self.current or next((j for j in self.queue if not j.done()), None)
+            busy = self.busy_with()
             if busy is not None and not queue:
-                raise BusyError(
-                    f"{job.name} is still running an earlier call ({busy!r}); wait for it "
-                    "(job.result()), cancel it, or submit with queue=True to run after it"
-                )
-            self.queue.append(job)
+                raise _busy_error(job.name, busy)
+            self.queue.append((job, start))
             self.last = job
             if self.thread is None:
                 self.thread = threading.Thread(
-                    target=self._work, args=(start,), name=f"orchestrator-{job.name}", daemon=True
+                    target=self._work, name=f"orchestrator-{job.name}", daemon=True
                 )
                 self.thread.start()
 
-    def _work(self, start: Callable[[Job[Any]], None]) -> None:
+    def _work(self) -> None:
         while True:
             with self.lock:
                 if not self.queue:
                     self.thread = None
                     return
-                job = self.current = self.queue.popleft()
+                job, start = self.queue.popleft()
+                self.current = job
             try:
                 job.context.run(start, job)
+            except BaseException as exc:  # noqa: BLE001 - a bug here must not strand jobs
+                job.finish(error=exc)
             finally:
                 with self.lock:
                     self.current = None
@@ -131,23 +160,35 @@ class _Runner:
         return True
 
     def stop(self, job: Job[Any]) -> None:
-        """Kill `job`'s ranks if it is running; a waiting job notices its stop flag."""
-        if job.pool is not None:
-            job.pool.shutdown()
+        """Withdraw a queued `job`, or kill its ranks if it runs (a waiting one sees its flag)."""
+        with self.lock:
+            self.queue = deque(entry for entry in self.queue if entry[0] is not job)
+            pool = job.pool
+            if pool is not None and pool is self.pool:
+                self.pool = None  # never hand a killed pool to the next call
+        if pool is not None:
+            pool.shutdown()
 
     def release(self) -> None:
         """Stop the warm pool's actors and give back its resources."""
-        pool, self.pool = self.pool, None
-        if pool is not None and ray.is_initialized():
-            pool.shutdown()
+        self.box.release()
 
     def shutdown(self) -> None:
         """Cancel every queued and running job, then release the pool."""
         with self.lock:
-            jobs = [*self.queue, *([self.current] if self.current else [])]
+            jobs = [job for job, _ in self.queue]
+            if self.current is not None:
+                jobs.append(self.current)
         for job in jobs:
             job.cancel()
         self.release()
+
+
+def _busy_error(name: str, busy: Job[Any]) -> BusyError:
+    return BusyError(
+        f"{name} is still running an earlier call ({busy!r}); wait for it "
+        "(job.result()), cancel it, or submit with queue=True to run after it"
+    )
 
 
 _runners: weakref.WeakSet[_Runner] = weakref.WeakSet()
@@ -181,7 +222,6 @@ class DistributedFunction(Generic[P, R]):
         self.options = options
         self._runner = _Runner()
         _runners.add(self._runner)
-        weakref.finalize(self, self._runner.release)
 
     @property
     def name(self) -> str:
@@ -213,19 +253,28 @@ class DistributedFunction(Generic[P, R]):
         BusyError instead). The Job is a concurrent.futures.Future, awaitable in asyncio.
         In a notebook, the ranks' output is shown in the cell that submitted the job.
         """
-        job = self._submit(args, kwargs)
-        if notebook.in_kernel():
-            job.view = notebook.CellOutput(f"[{self.name}] submitted")
-        return job
+        return self._submit(args, kwargs, show_in_cell=notebook.in_kernel())
 
-    def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Job[R]:
-        data = shipping.payload(self.fn, args, kwargs)
+    def _submit(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, show_in_cell: bool = False
+    ) -> Job[R]:
         options = self.options
+        runner = self._runner
+        busy = runner.busy_with()
+        if busy is not None and not options.queue:
+            raise _busy_error(self.name, busy)
+        data = shipping.payload(self.fn, args, kwargs)
         # Connecting, and an impossible request, are settled here, in the caller's thread.
-        plan = self._plan(options) if self._runner.pool is None else None
-        job: Job[R] = Job(self.name, options.num_replicas, self._runner.stop)
+        plan = self._plan(options) if runner.pool is None else None
+        job: Job[R] = Job(self.name, options.num_replicas, runner.stop)
+        if show_in_cell:
+            job.view = notebook.CellOutput(f"[{self.name}] submitted")
         job.owner = self  # the pool lives while a job of it is not done
-        self._runner.submit(job, lambda j: self._execute(j, data, options, plan), options.queue)
+        try:
+            runner.submit(job, lambda j: self._execute(j, data, options, plan), options.queue)
+        except BusyError:
+            job.discard()
+            raise
         return job
 
     def _execute(
@@ -250,6 +299,7 @@ class DistributedFunction(Generic[P, R]):
                 runner.release()
                 if isinstance(exc, StopRequested) or job.stop_requested.is_set():
                     break
+                job.pool = None
                 if _restartable(exc, options, len(earlier)):
                     earlier.append(exc)
                     job.restarted(exc)

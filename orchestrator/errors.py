@@ -40,6 +40,13 @@ _SECONDARY = re.compile(
 class OrchestratorError(Exception):
     """Base of every error this package raises."""
 
+    earlier_attempts: tuple[BaseException, ...] = ()
+    """With max_restarts: the failures of the attempts before this one, oldest first."""
+
+    def __str__(self) -> str:
+        """The message, then how earlier attempts failed (after restarts)."""
+        return super().__str__() + format_earlier(self.earlier_attempts)
+
 
 class ConfigError(OrchestratorError, ValueError):
     """A bad argument: names the value and what would be valid."""
@@ -65,9 +72,6 @@ class DistributedError(OrchestratorError):
     failures: list[RankFailure]
     log_dir: Path | None
     """The failed call's per-rank log files (rank-N.log), every rank's output."""
-    earlier_attempts: tuple[DistributedError, ...] = ()
-    """With max_restarts: the failures of the attempts before this one, oldest first."""
-
     def __str__(self) -> str:
         """The full report (the message is built from the failure records)."""
         if self.root_cause is None:
@@ -118,7 +122,7 @@ def format_earlier(earlier: Sequence[BaseException]) -> str:
     """The tail of a report after restarts: how each earlier attempt failed."""
     if not earlier:
         return ""
-    lines = [f"  attempt {n}: {summary(e)}" for n, e in enumerate(earlier)]
+    lines = [f"  attempt {n}: {summary(e)}" for n, e in enumerate(earlier, 1)]
     return f"\n\nThe {len(earlier)} earlier attempt(s) failed too:\n" + "\n".join(lines)
 
 

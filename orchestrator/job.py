@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import contextvars
 import sys
 import threading
@@ -93,7 +94,6 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         self._phase = QUEUED
         self._waiting_for: str | None = None
         self._failed_attempts: list[str] = []
-        self._finish_lock = threading.RLock()
         _live.add(self)
 
     def result(self, timeout: float | None = None) -> list[R]:
@@ -101,13 +101,20 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         return super().result(timeout)
 
     def cancel(self) -> bool:
-        """Stop the job's ranks (within a second) or withdraw its request; False if done."""
-        with self._finish_lock:
-            if self.done():
-                return False
-            self.stop_requested.set()
-            self._stop(self)
-            return super().cancel()
+        """Stop the job's ranks (within a second) or withdraw its request; False if done.
+
+        Done-callbacks of a cancelled job run in the thread that cancelled it.
+        """
+        if self.done():
+            return False
+        self.stop_requested.set()
+        self._stop(self)  # ranks stopped before anyone is told
+        if not super().cancel():  # it finished meanwhile: its result stands
+            return False
+        self.set_running_or_notify_cancel()  # concurrent.futures.wait() and as_completed
+        self.discard()
+        self._show(CANCELLED)
+        return True
 
     def running(self) -> bool:
         """Whether the job's ranks are starting or running (not waiting, not done)."""
@@ -135,7 +142,8 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         if self.log_dir is None:
             raise FileNotFoundError(f"job {self.name} has kept no log files (not started yet?)")
         if self.pool is not None and not self.done():
-            self.pool.console.flush_files()
+            with contextlib.suppress(ValueError):  # closed by the runner meanwhile
+                self.pool.console.flush_files()
         return read_log(self.log_dir, rank)
 
     def stacks(self) -> dict[int, str]:
@@ -177,25 +185,32 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         self.set_phase(STARTING)
 
     def finish(self, value: list[R] | None = None, error: BaseException | None = None) -> None:
-        """Settle the future with the ranks' results or the error (or as cancelled)."""
-        with self._finish_lock:
-            _live.discard(self)
-            self.owner = None
-            self._phase = FAILED if error is not None else FINISHED
-            if self.view is not None:
-                ended = CANCELLED if self.stop_requested.is_set() else self._phase
-                why = f": {str(error).splitlines()[0]}" if error and ended == FAILED else ""
-                self.view.set_title(f"[{self.name}] {ended}{why}")
-            if self.stop_requested.is_set() and self.cancelled():
-                self.set_running_or_notify_cancel()  # wake concurrent.futures.wait()ers
-                return
-            try:
-                if error is not None:
-                    self.set_exception(error)
-                else:
-                    self.set_result(value)
-            except InvalidStateError:  # cancelled without a stop (before it was queued)
-                self.set_running_or_notify_cancel()
+        """Settle the future with the ranks' results or the error (a cancelled job stays so).
+
+        Done-callbacks run in the runner thread: a callback must not wait for another
+        call of the same function (it would wait for itself).
+        """
+        self._phase = FAILED if error is not None else FINISHED
+        if self.cancelled():
+            return  # cancel() told everyone
+        why = f": {str(error).splitlines()[0]}" if error is not None else ""
+        self._show(f"{self._phase}{why}")  # before the waiter wakes, so its cell sees it
+        self.discard()
+        with contextlib.suppress(InvalidStateError):  # else cancel() won and tells everyone
+            if error is not None:
+                self.set_exception(error)
+            else:
+                self.set_result(value)
+
+    def discard(self) -> None:
+        """Forget a job that was never queued (its submit failed)."""
+        _live.discard(self)
+        self.owner = None
+
+    def _show(self, ended: str) -> None:
+        if self.view is not None:
+            with contextlib.suppress(Exception):  # the job settles whatever the display does
+                self.view.set_title(f"[{self.name}] {ended}")
 
 
 _live: set[Job[Any]] = set()

@@ -45,7 +45,7 @@ class CellOutput:
         self._title = title
         self._lines: deque[str] = deque(maxlen=MAX_LINES)
         self._seen = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._last = 0.0
         self._timer: threading.Timer | None = None
         self._handle: Any = display(Pretty(title), display_id=True)
@@ -73,7 +73,7 @@ class CellOutput:
 
     def flush(self) -> None:
         """Redraw the cell with every line so far."""
-        with self._lock:
+        with self._lock:  # held while sending too, so that redraws arrive in order
             self._timer = None
             self._last = time.monotonic()
             hidden = self._seen - len(self._lines)
@@ -81,5 +81,5 @@ class CellOutput:
             if hidden:
                 head.append(f"... {hidden} earlier line(s) are in the job's log files")
             text = "\n".join([*head, *self._lines])
-        # An empty context: the kernel's current parent message, not the submitter's.
-        contextvars.Context().run(self._handle.update, self._pretty(text))
+            # An empty context: the kernel's current parent message, not the submitter's.
+            contextvars.Context().run(self._handle.update, self._pretty(text))

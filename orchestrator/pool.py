@@ -188,9 +188,11 @@ class Pool:
             if self._closed:
                 return
             self._closed = True
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-        remove_placement_group(self.pg)
+        try:
+            remove_placement_group(self.pg)  # first: it takes its actors with it
+        finally:
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
 
 
 def _specs(

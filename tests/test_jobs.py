@@ -146,16 +146,39 @@ def test_placement_timeout_cancel_pending_and_cancel_running(cluster):
     wait_resources_back()
 
 
-def test_a_second_submit_queues_behind_the_first_or_raises_busy(cluster):
-    fn = distribute(pid_after, num_replicas=1, gpus_per_replica=0, name="queued")
-    first = fn.submit(1.5)
-    second = fn.submit(0)
+def echo_after(seconds: float, word: str) -> tuple[str, int]:
+    time.sleep(seconds)
+    return word, os.getpid()
+
+
+def test_queued_calls_run_in_turn_with_their_own_arguments_and_options(cluster):
+    fn = distribute(echo_after, num_replicas=1, gpus_per_replica=0, name="queued")
+    first = fn.submit(1.5, "first")
+    second = fn.with_options(timeout=30).submit(0, "second")
+    third = fn.submit(0, "third")
     assert second.status().state == "queued"
     with pytest.raises(BusyError, match="queue=True"):
-        fn.with_options(queue=False).submit(0)
-    assert first.result(timeout=90) == second.result(timeout=90)  # same warm actor, in turn
-    assert first.done() and second.done()
-    fn.shutdown()
+        fn.with_options(queue=False).submit(0, "refused")
+    assert third.cancel()  # a queued job is withdrawn, and waiters see it at once
+    done, _ = concurrent.futures.wait([third], timeout=1)
+    assert done == {third}
+    [(word1, pid1)] = first.result(timeout=90)
+    [(word2, pid2)] = second.result(timeout=90)
+    assert (word1, word2) == ("first", "second")
+    assert pid1 == pid2  # the same warm actor, in turn
+    from orchestrator import job as job_module
+
+    assert not job_module._live  # the refused and the cancelled job are forgotten
+
+    # A copy made with with_options keeps the pool alive after the original is gone.
+    copy = fn.with_options(timeout=60)
+    del fn
+    import gc
+
+    gc.collect()
+    [(word, pid)] = copy(0, "copy")
+    assert (word, pid) == ("copy", pid1)
+    copy.shutdown()
 
 
 def test_asyncio_gather_futures_and_callbacks(cluster):

@@ -74,7 +74,7 @@ def test_restart_on_crash_only_and_the_earlier_attempts_in_the_error(cluster, ca
     with pytest.raises(DistributedError, match="bad batch") as info:
         anything()
     assert len(info.value.earlier_attempts) == 1
-    assert "The 1 earlier attempt(s) failed too:\n  attempt 0: rank" in str(info.value)
+    assert "The 1 earlier attempt(s) failed too:\n  attempt 1: rank" in str(info.value)
     assert capfd.readouterr().err.count("restarting all 2 ranks") == 1
 
     # max_restarts=0 (the default) fails fast, as before.
