@@ -13,7 +13,13 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.errors import CRASH, describe_rank, distributed_error, timeout_error
+from orchestrator.errors import (
+    CRASH,
+    describe_rank,
+    distributed_error,
+    is_secondary,
+    timeout_error,
+)
 from orchestrator.pool import Pool, StopRequested
 from workers.capture import EXIT_STREAM
 from workers.protocol import OutputChunk, Payload, RankFailure, RankResult
@@ -107,6 +113,17 @@ class Call:
         if any(f.rank == rank for f in self.failures):
             return "failed"
         return "stopped" if stopped else "running"
+
+    def broken_ranks(self) -> set[int]:
+        """After a failure: ranks whose actor must be replaced before a restart.
+
+        Dead ones, ones still running (perhaps stuck in a collective), and ones that
+        raised an error of their own (their process may be in a bad state, e.g. CUDA's).
+        A rank that finished, or failed only because a peer did, is healthy.
+        """
+        broken = set(self.runs.values()) | set(self.pool.dead)
+        broken |= {f.rank for f in self.failures if f.exc_type == CRASH or not is_secondary(f)}
+        return broken
 
     def _busy(self) -> bool:
         printed, dead = self.pool.console.printed, self.pool.dead

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
@@ -295,16 +296,18 @@ class DistributedFunction(Generic[P, R]):
             try:
                 value = self._attempt(job, data, options, plan, len(earlier))
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
-                # Ranks may be stuck in a collective: replace the whole pool next time.
-                runner.release()
                 if isinstance(exc, StopRequested) or job.stop_requested.is_set():
+                    runner.release()
                     break
-                job.pool = None
                 if _restartable(exc, options, len(earlier)):
                     earlier.append(exc)
                     job.restarted(exc)
-                    plan = None  # lay out again, on the nodes alive now
+                    if not self._repair(job, len(earlier)):
+                        plan = None  # a whole new pool, laid out on the nodes alive now
                     continue
+                # Ranks may be stuck in a collective: replace the whole pool next time.
+                runner.release()
+                job.pool = None
                 if earlier and isinstance(exc, OrchestratorError):
                     exc.earlier_attempts = tuple(earlier)  # type: ignore[attr-defined]
                 job.finish(error=exc)
@@ -312,6 +315,22 @@ class DistributedFunction(Generic[P, R]):
             job.finish(value)
             return
         job.finish()  # cancelled
+
+    def _repair(self, job: Job[R], attempt: int) -> bool:
+        """Replace only the failed call's broken ranks; False: the whole pool was released.
+
+        Healthy ranks (finished, or failed only because a peer did) keep their warm
+        processes, so a restart costs one actor start, not a whole pool's.
+        """
+        runner, pool, failed = self._runner, job.pool, job.call
+        with contextlib.suppress(Exception):  # anything amiss (a stop too): a whole new pool
+            if pool is not None and failed is not None and pool is runner.pool:
+                broken = failed.broken_ranks()
+                if len(broken) < len(pool.actors) and pool.replace(broken, attempt):
+                    return True
+        runner.release()
+        job.pool = None
+        return False
 
     def _attempt(
         self,

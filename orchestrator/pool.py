@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -35,12 +35,15 @@ class StopRequested(Exception):
 
 ACTOR_NAMESPACE = "orchestrator"
 """Ray namespace of every rank's actor, named `actor_name(...)`, so other drivers find them."""
-_ACTOR_NAME = re.compile(r"^(?P<job>.+)-(?P<pool>[0-9a-f]{8})-r(?P<rank>\d+)$")
+_ACTOR_NAME = re.compile(r"^(?P<job>.+)-(?P<pool>[0-9a-f]{8})-r(?P<rank>\d+)(?:\.\d+)?$")
 
 
-def actor_name(job_name: str, pool_id: str, rank: int) -> str:
-    """The Ray actor name of `rank` in pool `pool_id` of job `job_name`: NAME-ID-rRANK."""
-    return f"{job_name}-{pool_id}-r{rank}"
+def actor_name(job_name: str, pool_id: str, rank: int, attempt: int = 0) -> str:
+    """The Ray actor name of `rank` in pool `pool_id` of job `job_name`: NAME-ID-rRANK.
+
+    A rank's actor replaced at restart N is NAME-ID-rRANK.N (names are freed lazily).
+    """
+    return f"{job_name}-{pool_id}-r{rank}" + (f".{attempt}" if attempt else "")
 
 
 def parse_actor_name(name: str) -> tuple[str, str, int] | None:
@@ -137,34 +140,74 @@ class Pool:
         bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
         driver_node = ray.get_runtime_context().get_node_id()
         bundles = placement.order_bundles(bundle_nodes, driver_node)
-        slots = placement.layout(request.num_replicas, request.replicas_per_node)
-        per_replica = request.per_replica()
-        for slot in slots:
-            strategy = PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=bundles[slot.node_rank]
-            )
-            self.actors.append(
-                _RemoteRank.options(
-                    num_cpus=per_replica.get("CPU", 0),
-                    num_gpus=per_replica.get("GPU", 0),
-                    resources={k: v for k, v in per_replica.items() if k not in ("CPU", "GPU")},
-                    scheduling_strategy=strategy,
-                    runtime_env=dict(runtime_env) if runtime_env else None,
-                    name=actor_name(self.name, self.id, slot.rank),
-                    namespace=ACTOR_NAMESPACE,
-                ).remote(self.name, slot.rank)
-            )
-        refs = [a.info.remote() for a in self.actors]
+        self._slots = placement.layout(request.num_replicas, request.replicas_per_node)
+        self._bundles = [bundles[slot.node_rank] for slot in self._slots]
+        self._env, self._runtime_env, self._post_mortem = env, runtime_env, post_mortem
+        self.actors = [self._new_actor(slot.rank) for slot in self._slots]
+        self.infos = self._infos(range(len(self.actors)))
+        self.next_port: int = self._open_store()
+        self._respec()
+
+    def _new_actor(self, rank: int, attempt: int = 0) -> Any:
+        per_replica = self.request.per_replica()
+        strategy = PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=self._bundles[rank]
+        )
+        return _RemoteRank.options(
+            num_cpus=per_replica.get("CPU", 0),
+            num_gpus=per_replica.get("GPU", 0),
+            resources={k: v for k, v in per_replica.items() if k not in ("CPU", "GPU")},
+            scheduling_strategy=strategy,
+            runtime_env=dict(self._runtime_env) if self._runtime_env else None,
+            name=actor_name(self.name, self.id, rank, attempt),
+            namespace=ACTOR_NAMESPACE,
+        ).remote(self.name, rank)
+
+    def _infos(self, ranks: Iterable[int]) -> list[NodeInfo]:
+        refs = [self.actors[rank].info.remote() for rank in ranks]
         while not self._wait(refs):
             pass
         infos: list[NodeInfo] = ray.get(refs)
         cluster.quiet_crash_notices([info.pid for info in infos])
+        return infos
+
+    def _open_store(self) -> int:
         port = self.actors[0].open_store.remote()
         while not self._wait([port]):
             pass
-        self.next_port: int = ray.get(port)
-        self.infos = infos
-        self.specs = _specs(self.name, request, slots, infos, env, post_mortem=post_mortem)
+        return ray.get(port)
+
+    def replace(self, ranks: set[int], attempt: int) -> bool:
+        """Replace the actors of `ranks` in place, keeping the others (warm, torch loaded).
+
+        For a restart after a failed call. False when that cannot be done (a node of
+        the pool is gone): the caller must start a whole new pool instead.
+        """
+        alive = {node.node_id for node in cluster.nodes()}
+        if any(info.node_id not in alive for info in self.infos):
+            return False
+        for rank in ranks:
+            ray.kill(self.actors[rank], no_restart=True)
+            self.drains.pop(rank, None)  # its answer would speak for the new actor
+            self.exit_codes.pop(rank, None)
+            self.console.printed[rank] = 0
+            self.actors[rank] = self._new_actor(rank, attempt)
+        for rank, info in zip(sorted(ranks), self._infos(sorted(ranks)), strict=True):
+            self.infos[rank] = info
+        self.dead -= ranks
+        self.next_port = self._open_store()  # the failed call's store holds stale keys
+        self._respec()
+        return True
+
+    def _respec(self) -> None:
+        self.specs = _specs(
+            self.name,
+            self.request,
+            self._slots,
+            self.infos,
+            self._env,
+            post_mortem=self._post_mortem,
+        )
 
     def specs_for_call(self, restart_count: int = 0, max_restarts: int = 0) -> list[RankSpec]:
         """Each rank's spec with this call's MASTER_PORT and attempt number."""

@@ -22,7 +22,7 @@ def crash_once(folder: str, crash: bool = True) -> tuple[str, str, int, float]:
 
     rank, attempt = os.environ["RANK"], os.environ["RESTART_COUNT"]
     with open(Path(folder) / f"rank{rank}", "a") as seen:
-        seen.write(f"{attempt} {os.environ['TORCHELASTIC_RESTART_COUNT']}\n")
+        seen.write(f"{attempt} {os.environ['TORCHELASTIC_RESTART_COUNT']} {os.getpid()}\n")
     dist.init_process_group("gloo")
     if crash and rank == "3" and attempt == "0":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -39,8 +39,14 @@ def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd):
     assert [(a, node, total) for a, node, _, total in results] == [
         ("1", "0", 4.0), ("1", "0", 4.0), ("1", "1", 4.0), ("1", "1", 4.0),
     ]
+    pids_seen = {}
     for rank in range(4):  # every rank saw attempt 0, then attempt 1
-        assert (tmp_path / f"rank{rank}").read_text() == "0 0\n1 1\n"
+        lines = (tmp_path / f"rank{rank}").read_text().splitlines()
+        assert [line.rsplit(" ", 1)[0] for line in lines] == ["0 0", "1 1"]
+        pids_seen[rank] = [int(line.rsplit(" ", 1)[1]) for line in lines]
+    # Only the dead rank got a new process; the others kept theirs (torch already loaded).
+    assert pids_seen[3][0] != pids_seen[3][1]
+    assert all(pids_seen[rank][0] == pids_seen[rank][1] for rank in (0, 1, 2)), pids_seen
     status = job.status()
     assert status.state == "finished" and status.restarts == 1
     assert "rank 3" in status.failed_attempts[0] and "crashed" in status.failed_attempts[0]
