@@ -350,6 +350,9 @@ class DistributedFunction(Generic[P, R]):
             job.log_dir = options.log_dir / self.name / folder
         if job.log_dir is not None:
             pool.console.open_logs(job.log_dir)
+            if restart_count:
+                attempt = f"attempt {restart_count + 1} (restart {restart_count})"
+                pool.console.mark_files(f"--- {attempt} ---")
         job.set_phase(RUNNING)
         pool.console.sink = job.view.write if job.view is not None else None
         try:

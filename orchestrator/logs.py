@@ -119,6 +119,13 @@ class Console:
         for file in self._files.values():
             file.flush()
 
+    def mark_files(self, line: str) -> None:
+        """Write `line` into every rank's log file (e.g. where a restarted attempt begins)."""
+        if self.log_dir is None:
+            return
+        for rank in range(len(self.printed)):
+            self._file(rank).write(f"{line}\n")
+
     def flush_files(self) -> None:
         """Flush the log files (so a reader sees every complete line so far)."""
         for file in list(self._files.values()):

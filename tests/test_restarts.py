@@ -50,6 +50,8 @@ def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd):
     status = job.status()
     assert status.state == "finished" and status.restarts == 1
     assert "rank 3" in status.failed_attempts[0] and "crashed" in status.failed_attempts[0]
+    log = job.logs(3)
+    assert "--- attempt 2 (restart 1) ---\n" in log, log
     err = capfd.readouterr().err
     assert "[ft] attempt 1 failed: rank 3 (local rank 1)" in err
     assert "restarting all 4 ranks" in err
