@@ -75,6 +75,10 @@ def default_log_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "orchestrator" / "logs"
 
 
+_LINGER_S = 2.0
+"""How long a function's runner thread waits for the next call before it ends."""
+
+
 class _PoolBox:
     """Holds a function's warm pool apart from everything else, for the finalizer."""
 
@@ -98,6 +102,7 @@ class _Runner:
     def __init__(self) -> None:
         self.box = _PoolBox()
         self.lock = threading.Lock()
+        self.wakeup = threading.Condition(self.lock)
         self.queue: deque[tuple[Job[Any], Callable[[Job[Any]], None]]] = deque()
         self.current: Job[Any] | None = None
         self.thread: threading.Thread | None = None
@@ -128,6 +133,7 @@ class _Runner:
                 raise _busy_error(job.name, busy)
             self.queue.append((job, start))
             self.last = job
+            self.wakeup.notify()
             if self.thread is None:
                 self.thread = threading.Thread(
                     target=self._work, name=f"orchestrator-{job.name}", daemon=True
@@ -137,6 +143,8 @@ class _Runner:
     def _work(self) -> None:
         while True:
             with self.lock:
+                # Linger a moment: calls in a loop then cost no thread start each.
+                self.wakeup.wait_for(lambda: bool(self.queue), timeout=_LINGER_S)
                 if not self.queue:
                     self.thread = None
                     return

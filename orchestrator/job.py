@@ -107,9 +107,12 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         """
         if self.done():
             return False
-        self.stop_requested.set()
-        self._stop(self)  # ranks stopped before anyone is told
-        if not super().cancel():  # it finished meanwhile: its result stands
+        self.stop_requested.set()  # from now on, only this settles the job
+        try:
+            self._stop(self)  # ranks stopped before anyone is told
+        finally:
+            cancelled = super().cancel()
+        if not cancelled:  # it finished just before: its result stands
             return False
         self.set_running_or_notify_cancel()  # concurrent.futures.wait() and as_completed
         self.discard()
@@ -190,9 +193,9 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         Done-callbacks run in the runner thread: a callback must not wait for another
         call of the same function (it would wait for itself).
         """
+        if self.stop_requested.is_set():
+            return  # cancel() settles a job it stopped, and tells everyone
         self._phase = FAILED if error is not None else FINISHED
-        if self.cancelled():
-            return  # cancel() told everyone
         why = f": {str(error).splitlines()[0]}" if error is not None else ""
         self._show(f"{self._phase}{why}")  # before the waiter wakes, so its cell sees it
         self.discard()

@@ -128,6 +128,7 @@ def test_placement_timeout_cancel_pending_and_cancel_running(cluster):
 
     # A running job stops its ranks and gives back its resources.
     cancelled_at = time.monotonic()
+    assert not running.done(), (running, running.status(), running.exception() or running.result())
     assert running.cancel()
     wait_for(lambda: gone(pids), 10, "ranks stopped")
     stopped_after = time.monotonic() - cancelled_at
