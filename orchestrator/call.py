@@ -114,6 +114,14 @@ class Call:
             return "failed"
         return "stopped" if stopped else "running"
 
+    def settle(self, timeout: float) -> None:
+        """After a failure: wait up to `timeout` s for ranks still running to return."""
+        if not self.runs:
+            return
+        done, _ = ray.wait(list(self.runs), num_returns=len(self.runs), timeout=timeout)
+        for ref in done:
+            self._take(_outcome(self.pool, self.runs.pop(ref), ref))
+
     def broken_ranks(self) -> set[int]:
         """After a failure: ranks whose actor must be replaced before a restart.
 

@@ -22,7 +22,14 @@ import ray
 from ray.exceptions import RayActorError
 
 from orchestrator import call, cluster, notebook, placement, shipping
-from orchestrator.errors import CRASH, BusyError, ConfigError, DistributedError, OrchestratorError
+from orchestrator.errors import (
+    CRASH,
+    BusyError,
+    ConfigError,
+    DistributedError,
+    JobTimeoutError,
+    OrchestratorError,
+)
 from orchestrator.job import PENDING, RUNNING, Job
 from orchestrator.logs import DEFAULT_PREFIX, Console, read_log
 from orchestrator.pool import Pool, StopRequested
@@ -75,6 +82,8 @@ def default_log_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "orchestrator" / "logs"
 
 
+_SETTLE_S = 2.0
+"""Before a restart, how long ranks still running may take to return (else: stuck)."""
 _LINGER_S = 2.0
 """How long a function's runner thread waits for the next call before it ends."""
 
@@ -310,7 +319,7 @@ class DistributedFunction(Generic[P, R]):
                 if _restartable(exc, options, len(earlier)):
                     earlier.append(exc)
                     job.restarted(exc)
-                    if not self._repair(job, len(earlier)):
+                    if not self._repair(job, len(earlier), exc):
                         plan = None  # a whole new pool, laid out on the nodes alive now
                     continue
                 # Ranks may be stuck in a collective: replace the whole pool next time.
@@ -324,7 +333,7 @@ class DistributedFunction(Generic[P, R]):
             return
         job.finish()  # cancelled
 
-    def _repair(self, job: Job[R], attempt: int) -> bool:
+    def _repair(self, job: Job[R], attempt: int, error: BaseException) -> bool:
         """Replace only the failed call's broken ranks; False: the whole pool was released.
 
         Healthy ranks (finished, or failed only because a peer did) keep their warm
@@ -333,6 +342,8 @@ class DistributedFunction(Generic[P, R]):
         runner, pool, failed = self._runner, job.pool, job.call
         with contextlib.suppress(Exception):  # anything amiss (a stop too): a whole new pool
             if pool is not None and failed is not None and pool is runner.pool:
+                if not isinstance(error, JobTimeoutError):  # else they are all stuck
+                    failed.settle(_SETTLE_S)  # a peer's death reaches gloo ranks in moments
                 broken = failed.broken_ranks()
                 if len(broken) < len(pool.actors) and pool.replace(broken, attempt):
                     return True
