@@ -26,6 +26,8 @@ from workers.protocol import NodeInfo, RankSpec
 _RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)
 _WAIT_NOTICE_S = 1.0
 """A request not placed within this long is announced on the console."""
+_RECHECK_S = 2.0
+"""While waiting for placement, how often to check that the live nodes can still hold it."""
 _POLL_S = 0.2
 """How often a wait for placement or for actors checks for a stop request."""
 
@@ -91,6 +93,7 @@ class Pool:
         self._on_phase = on_phase or (lambda phase, detail: None)
         self._closing = threading.Lock()
         self._closed = False
+        self._simulated = simulate_nodes
         self.id = uuid.uuid4().hex[:8]
         self.pg = placement_group(
             [request.bundle()] * request.num_nodes,
@@ -109,6 +112,7 @@ class Pool:
         ready = self.pg.ready()
         started = time.monotonic()
         announced = False
+        checked = 0.0
         while not self._wait([ready]):
             waited = time.monotonic() - started
             free = placement.format_resources(ray.available_resources())
@@ -124,6 +128,10 @@ class Pool:
             if not announced and waited >= _WAIT_NOTICE_S:
                 print(f"[{self.name}] {waiting_for}", file=sys.stderr, flush=True)
                 announced = True
+            if waited >= checked + _RECHECK_S:  # nodes leave too: waiting may become futile
+                checked = waited
+                live = [(node.ip, node.resources) for node in cluster.nodes()]
+                placement.check_feasible(self.request, live, one_node=self._simulated)
         self._on_phase("starting", None)
 
     def _wait(self, refs: list[ray.ObjectRef]) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from ray.util import placement_group_table
 
-from orchestrator import DistributedError, distribute
+from orchestrator import DistributedError, PlacementError, distribute
 
 from .conftest import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 
@@ -130,3 +130,31 @@ def test_losing_a_node_restarts_the_job_on_the_remaining_nodes(cluster):
     assert sorted(g["state"] for g in groups) == ["CREATED", "REMOVED"]
     fn.shutdown()
     wait_resources_back()  # whichever node went, the session's cluster has 2 x 2 GPUs again
+
+
+def test_a_waiting_job_fails_once_a_lost_node_leaves_the_cluster_unable_to_hold_it(cluster):
+    wait_resources_back()
+    node = cluster.add_node(num_cpus=2, resources={"special": 2})
+    cluster.wait_for_nodes()
+    holder = distribute(
+        time.sleep, num_replicas=1, gpus_per_replica=0, resources_per_replica={"special": 2}
+    )
+    held = holder.submit(300)
+    deadline = time.monotonic() + 60
+    while held.status().state != "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    waiter = distribute(
+        os.getpid, num_replicas=1, gpus_per_replica=0, resources_per_replica={"special": 1}
+    )
+    job = waiter.submit()
+    while job.status().state != "pending" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.status().state == "pending"
+    cluster.remove_node(node, allow_graceful=False)
+    with pytest.raises(PlacementError, match="special"):
+        job.result(timeout=60)  # not a wait for ever
+    with pytest.raises(DistributedError):
+        held.result(timeout=60)  # its node is gone
+    holder.shutdown()
+    waiter.shutdown()
+    wait_resources_back()
