@@ -304,8 +304,9 @@ class DistributedFunction(Generic[P, R]):
     ) -> None:
         """Run `job` in the runner thread: start the pool if needed, call, settle the job.
 
-        With `max_restarts`, a failed attempt is followed by a fresh pool (laid out on
-        the nodes alive now) and a fresh rendezvous, up to `max_restarts` times.
+        With `max_restarts`, a failed attempt is followed by another with a fresh
+        rendezvous, after its broken ranks (or, when a node is gone, the whole pool)
+        were replaced, up to `max_restarts` times. A cancelled job is settled by cancel().
         """
         runner = self._runner
         earlier: list[BaseException] = []
@@ -315,7 +316,7 @@ class DistributedFunction(Generic[P, R]):
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
                 if isinstance(exc, StopRequested) or job.stop_requested.is_set():
                     runner.release()
-                    break
+                    return
                 if _restartable(exc, options, len(earlier)):
                     earlier.append(exc)
                     job.restarted(exc)
@@ -331,7 +332,6 @@ class DistributedFunction(Generic[P, R]):
                 return
             job.finish(value)
             return
-        job.finish()  # cancelled
 
     def _repair(self, job: Job[R], attempt: int, error: BaseException) -> bool:
         """Replace only the failed call's broken ranks; False: the whole pool was released.

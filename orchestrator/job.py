@@ -178,7 +178,7 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         self._failed_attempts.append(summary(error))
         attempt = len(self._failed_attempts)
         line = (
-            f"[{self.name}] attempt {attempt} failed: {summary(error)}; "
+            f"[{self.name}] attempt {attempt} failed: {self._failed_attempts[-1]}; "
             f"restarting all {self.num_ranks} ranks (restart {attempt})"
         )
         if self.view is not None:
@@ -206,7 +206,7 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
                 self.set_result(value)
 
     def discard(self) -> None:
-        """Forget a job that was never queued (its submit failed)."""
+        """Stop tracking a settled job, or one whose submit failed (for exit and GC)."""
         _live.discard(self)
         self.owner = None
 

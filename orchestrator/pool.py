@@ -141,6 +141,12 @@ class Pool:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=_POLL_S)
         return len(done) == len(refs)
 
+    def _get(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """ray.get(refs), stopping with StopRequested when the job is cancelled meanwhile."""
+        while not self._wait(refs):
+            pass
+        return ray.get(refs)
+
     def _start(
         self, env: Mapping[str, str], runtime_env: Mapping[str, Any] | None, post_mortem: bool
     ) -> None:
@@ -172,18 +178,13 @@ class Pool:
         ).remote(self.name, rank)
 
     def _infos(self, ranks: Iterable[int]) -> list[NodeInfo]:
-        refs = [self.actors[rank].info.remote() for rank in ranks]
-        while not self._wait(refs):
-            pass
-        infos: list[NodeInfo] = ray.get(refs)
+        infos: list[NodeInfo] = self._get([self.actors[rank].info.remote() for rank in ranks])
         cluster.quiet_crash_notices([info.pid for info in infos])
         return infos
 
     def _open_store(self) -> int:
-        port = self.actors[0].open_store.remote()
-        while not self._wait([port]):
-            pass
-        return ray.get(port)
+        [port] = self._get([self.actors[0].open_store.remote()])
+        return port
 
     def replace(self, ranks: set[int], attempt: int) -> bool:
         """Replace the actors of `ranks` in place, keeping the others (warm, torch loaded).
