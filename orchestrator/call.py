@@ -243,9 +243,7 @@ def _show_leftovers(pool: Pool, rank: int) -> str:
     shown = pool.console.printed[rank]
     unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
     last = max([shown, *(seq for seq, _, _ in unseen)])
-    chunks = [
-        OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen
-    ]
+    chunks = [OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen]
     pool.console.write(rank, chunks)
     return "".join(text for _, _, text in unseen)
 

@@ -10,7 +10,7 @@ import textwrap
 import threading
 from pathlib import Path
 
-from orchestrator import launch
+from orchestrator import cluster, launch, local
 from orchestrator.errors import OrchestratorError
 
 
@@ -211,6 +211,72 @@ def _run(args: argparse.Namespace) -> int:
     return launch.run(options)
 
 
+def _add_local(commands: argparse._SubParsersAction) -> None:
+    local_cmd = commands.add_parser(
+        "local",
+        help="start, stop or show the local runtime: a Ray here with warm rank processes",
+        description="The local runtime keeps a Ray instance and SPARES rank processes, with "
+        "torch imported, on this machine between scripts. A script's distribute(...) finds "
+        "it and starts its CPU-only ranks in those processes (each used once, then "
+        "replaced in the background), so a fresh script starts in about a second instead "
+        "of starting Ray and importing torch in every rank.",
+    )
+    actions = local_cmd.add_subparsers(dest="action", required=True)
+    start_cmd = actions.add_parser("start", help="start it and wait for its warm processes")
+    start_cmd.add_argument(
+        "--spares", type=int, default=4, help="warm rank processes kept ready (default 4)"
+    )
+    start_cmd.add_argument("--port", type=int, default=6379, help="Ray's port (default 6379)")
+    start_cmd.add_argument(
+        "--cpus",
+        type=int,
+        help=f"logical CPUs: slots for ranks, not cores (default {cluster.LOCAL_SLOTS})",
+    )
+    start_cmd.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=3600.0,
+        help="stop after this many seconds without a script connected (default 3600; 0: never)",
+    )
+    actions.add_parser("stop", help="stop it: its Ray processes and warm ranks")
+    actions.add_parser("status", help="show its address, warm processes and the ranks in use")
+
+
+def _local(args: argparse.Namespace) -> int:
+    if args.action == "start":
+        info = local.start(
+            spares=args.spares,
+            port=args.port,
+            cpus=args.cpus,
+            idle_timeout=args.idle_timeout or None,
+        )
+        ready = f"{len(info.ready)} of {info.count}" if len(info.ready) < info.count else info.count
+        print(
+            f"local runtime running (pid {info.runtime_pid}): {ready} warm rank processes; "
+            "scripts here use it without an address. Stop: orchestrator local stop"
+        )
+        return 0
+    if args.action == "stop":
+        print(f"local runtime stopped (pid {local.stop()})")
+        return 0
+    found = local.status()
+    if found is None:
+        print("no local runtime is running (start one: orchestrator local start)")
+        return 3
+    address, info = found
+    idle = f"stops after {info.idle_timeout:g} s idle" if info.idle_timeout else "no idle stop"
+    print(
+        f"local runtime at {address} (pid {info.runtime_pid}, {idle}): "
+        f"{len(info.ready)} of {info.count} warm rank processes ready"
+        + (", 1 starting" if info.starting else "")
+    )
+    free, total = local.cpus()
+    print(f"  CPUs free: {free:g} of {total:g}")
+    for claim in info.claims:
+        print(f"  in use: {claim.job_name} rank {claim.rank} (pid {claim.pid})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen subcommand; the exit status."""
     parser = argparse.ArgumentParser(
@@ -242,18 +308,20 @@ def main(argv: list[str] | None = None) -> int:
         description="Example: orchestrator attach 10.0.0.2:41234 (the address the rank printed)",
     )
     attach_cmd.add_argument("address", help="HOST:PORT printed by the waiting rank")
+    _add_local(commands)
     args = parser.parse_args(argv)
+    commands_of = {
+        "run": lambda: _run(args),
+        "nodes": lambda: launch.nodes(args.address),
+        "stacks": lambda: launch.stacks(args.name, args.address),
+        "local": lambda: _local(args),
+        "attach": lambda: attach(args.address),
+    }
     try:
-        if args.command == "run":
-            return _run(args)
-        if args.command == "nodes":
-            return launch.nodes(args.address)
-        if args.command == "stacks":
-            return launch.stacks(args.name, args.address)
+        return commands_of[args.command]()
     except OrchestratorError as exc:
         print(f"orchestrator {args.command}: {exc}", file=sys.stderr)
         return launch.EXIT_USAGE if isinstance(exc, ValueError | launch.LaunchError) else 1
     except ConnectionError as exc:  # ray.init could not reach the cluster
         print(f"orchestrator {args.command}: {exc}", file=sys.stderr)
         return 1
-    return attach(args.address)

@@ -37,15 +37,14 @@ def connect(address: str | None, *, min_cpus: float = 0) -> bool:
         if ray.is_initialized():
             return _embedded
         target = address or os.environ.get("RAY_ADDRESS")
-        if target:
-            ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
-            return False
-        live, stale = _local_cluster()
-        if live:
-            ray.init(address=live, logging_level=logging.WARNING, log_to_driver=False)
+        live, stale = local_cluster()
+        if live and target in (None, live):
+            local_token()
+        if target or live:
+            ray.init(address=target or live, logging_level=logging.WARNING, log_to_driver=False)
             return False
         if stale:
-            _say(f"the Ray cluster recorded in {stale} is gone; starting a fresh local one")
+            say(f"the Ray cluster recorded in {stale} is gone; starting a fresh local one")
         _start_local(min_cpus)
         _embedded = True
         return True
@@ -96,12 +95,12 @@ def nodes() -> list[Node]:
     ]
 
 
-_LOCAL_SLOTS = 64
+LOCAL_SLOTS = 64
 """Logical CPUs of the embedded instance: slots for ranks, not cores (torchrun has no limit)."""
 
 
 def _start_local(min_cpus: float) -> None:
-    cpus = max(_LOCAL_SLOTS, int(min_cpus + 0.999))
+    cpus = max(LOCAL_SLOTS, int(min_cpus + 0.999))
     # Ray's banner and token notice are noise to a user who did not ask for Ray.
     quiet = logging.getLogger("ray")
     level = quiet.level
@@ -118,13 +117,39 @@ def _start_local(min_cpus: float) -> None:
     finally:
         quiet.setLevel(level)
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    _say(f"running locally on an embedded Ray instance ({os.cpu_count()} cores, {gpus} GPUs)")
+    say(f"running locally on an embedded Ray instance ({os.cpu_count()} cores, {gpus} GPUs)")
 
 
-def _local_cluster() -> tuple[str | None, Path | None]:
+def is_embedded() -> bool:
+    """Whether this process runs the embedded local instance."""
+    return _embedded
+
+
+def ray_root() -> Path:
+    """The folder where Ray keeps this machine's sessions (RAY_TMPDIR/ray)."""
+    return Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"  # noqa: S108 - Ray's default
+
+
+def local_token() -> None:
+    """Send the token a `ray start` here made: Ray's drivers do only in token mode.
+
+    Without it they retry for 20 s, then fail with InvalidAuthToken.
+    """
+    token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token")).expanduser()
+    if "RAY_AUTH_MODE" not in os.environ and (token.exists() or os.environ.get("RAY_AUTH_TOKEN")):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray read its config at import: have it read the variable again
+            from ray._raylet import AuthenticationTokenLoader, Config
+
+            Config.initialize("")
+            AuthenticationTokenLoader.instance().reset_cache()
+        except (ImportError, AttributeError):  # another Ray: set RAY_AUTH_MODE=token by hand
+            pass
+
+
+def local_cluster() -> tuple[str | None, Path | None]:
     """(address of a live `ray start` cluster on this machine, path of a stale record)."""
-    root = os.environ.get("RAY_TMPDIR", "/tmp")  # noqa: S108 - where Ray keeps it
-    tmp = Path(root) / "ray" / "ray_current_cluster"
+    tmp = ray_root() / "ray_current_cluster"
     try:
         address = tmp.read_text().strip()
     except OSError:
@@ -142,5 +167,5 @@ def _verbose() -> bool:
     return os.environ.get("ORCHESTRATOR_VERBOSE", "") not in ("", "0")
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     print(f"[orchestrator] {message}", file=sys.stderr, flush=True)

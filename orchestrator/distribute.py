@@ -475,9 +475,7 @@ class DistributedFunction(Generic[P, R]):
         runtime_vars = (opts.runtime_env or {}).get("env_vars") or {}
         if "OMP_NUM_THREADS" in runtime_vars:  # the user's choice wins over our default
             env.setdefault("OMP_NUM_THREADS", str(runtime_vars["OMP_NUM_THREADS"]))
-        console = Console(
-            opts.name, opts.num_replicas, prefix=opts.log_prefix, show=opts.log_ranks
-        )
+        console = Console(opts.name, opts.num_replicas, prefix=opts.log_prefix, show=opts.log_ranks)
         return Pool(
             opts.name,
             request,

@@ -72,6 +72,7 @@ class DistributedError(OrchestratorError):
     failures: list[RankFailure]
     log_dir: Path | None
     """The failed call's per-rank log files (rank-N.log), every rank's output."""
+
     def __str__(self) -> str:
         """The full report (the message is built from the failure records)."""
         if self.root_cause is None:

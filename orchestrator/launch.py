@@ -240,7 +240,7 @@ def validate(options: RunOptions) -> list[str]:
 
 def cluster_address(address: str | None) -> str | None:
     """The cluster to join: `address`, RAY_ADDRESS, a live `ray start` here; None for none."""
-    return address or os.environ.get("RAY_ADDRESS") or cluster._local_cluster()[0]
+    return address or os.environ.get("RAY_ADDRESS") or cluster.local_cluster()[0]
 
 
 def run(options: RunOptions) -> int:
@@ -337,6 +337,8 @@ def connect_existing(address: str | None) -> None:
             "other processes cannot reach: to look at local runs from here, start Ray "
             "with `ray start --head` first"
         )
+    if target == cluster.local_cluster()[0]:
+        cluster.local_token()
     ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
 
 

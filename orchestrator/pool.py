@@ -15,7 +15,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import cluster, placement
+from orchestrator import cluster, local, placement
 from orchestrator.errors import PlacementTimeoutError
 from orchestrator.logs import Console
 from orchestrator.placement import Request
@@ -34,6 +34,7 @@ _POLL_S = 0.2
 
 class StopRequested(Exception):
     """The job was cancelled while this thread waited for it."""
+
 
 ACTOR_NAMESPACE = "orchestrator"
 """Ray namespace of every rank's actor, named `actor_name(...)`, so other drivers find them."""
@@ -157,10 +158,23 @@ class Pool:
         self._slots = placement.layout(request.num_replicas, request.replicas_per_node)
         self._bundles = [bundles[slot.node_rank] for slot in self._slots]
         self._env, self._runtime_env, self._post_mortem = env, runtime_env, post_mortem
-        self.actors = [self._new_actor(slot.rank) for slot in self._slots]
+        spares = self._spares(bundle_nodes)
+        self.actors = [
+            spares[slot.rank][0] if slot.rank in spares else self._new_actor(slot.rank)
+            for slot in self._slots
+        ]
         self.infos = self._infos(range(len(self.actors)))
         self.next_port: int = self._open_store()
         self._respec()
+
+    def _spares(self, bundle_nodes: Mapping[int, str]) -> dict[int, tuple[Any, int]]:
+        """Warm processes of the local runtime for CPU-only ranks without a runtime_env."""
+        if self._runtime_env or set(self.request.per_replica()) - {"CPU"}:
+            return {}
+        by_node: dict[str, list[int]] = {}
+        for slot in self._slots:
+            by_node.setdefault(bundle_nodes[self._bundles[slot.rank]], []).append(slot.rank)
+        return local.spares_for(self.name, self.id, by_node)
 
     def _new_actor(self, rank: int, attempt: int = 0) -> Any:
         per_replica = self.request.per_replica()

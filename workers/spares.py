@@ -1,0 +1,225 @@
+"""Warm spare rank processes of the local runtime: torch already imported, each used once.
+
+`orchestrator local start` runs a Ray head that outlives scripts, with one Broker
+actor. The broker keeps `count` Spare actors ready; a driver claims some for a
+CPU-only pool instead of starting processes that must import torch first. A
+claimed spare serves one pool and dies with it, or within a second of its
+driver's job ending (a SIGKILLed driver included). Both are detached actors:
+owned by the runtime, not by a script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from workers.actor import CONCURRENCY_GROUPS, RankActor
+
+BROKER_NAME = "local-runtime"
+NAMESPACE = "orchestrator"
+_WATCH_S = 1.0
+"""How often a claimed spare checks that its driver's job still runs."""
+_REFILL_QUIET_S = 3.0
+"""After a claim, the broker waits this long before starting replacements (CPU for the job)."""
+
+
+def code_id() -> str:
+    """Identifies the rank-side code and interpreter: a spare is used only where they match."""
+    digest = hashlib.sha256(os.path.realpath(sys.executable).encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as source:
+                digest.update(name.encode() + source.read())
+    return digest.hexdigest()[:16]
+
+
+def _jobs() -> dict[str, bool] | None:
+    """Every Ray job of the cluster: hex id -> still running; None when Ray cannot tell."""
+    try:
+        gcs = ray._private.worker.global_worker.gcs_client  # no public API tells this
+        return {job_id.hex(): not info.is_dead for job_id, info in gcs.get_all_job_info().items()}
+    except Exception:  # noqa: BLE001 - then spares die with their pool only
+        return None
+
+
+class Spare(RankActor):
+    """A rank's actor started ahead of need; `claim` makes it one rank of one pool."""
+
+    def __init__(self) -> None:
+        """Import what every rank imports, so a claimed spare starts at once."""
+        super().__init__("spare", -1)
+        import torch.distributed  # noqa: F401 - the reason spares exist
+
+    def ready(self) -> int:
+        """This process's pid, once torch is imported."""
+        return os.getpid()
+
+    def claim(self, job_name: str, rank: int, owner_job: str) -> None:
+        """Serve `rank` of `job_name` for the Ray job `owner_job`; exit when that job ends."""
+        self._label = f"{job_name} r{rank}"
+        self._rank = rank
+        threading.Thread(target=self._watch, args=(owner_job,), daemon=True).start()
+
+    def _watch(self, owner_job: str) -> None:
+        while True:
+            time.sleep(_WATCH_S)
+            jobs = _jobs()
+            if jobs is not None and not jobs.get(owner_job, False):
+                os._exit(0)
+
+
+_RemoteSpare = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Spare)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A spare serving one rank of a job, for `orchestrator stacks` and `local status`."""
+
+    actor_name: str
+    job_name: str
+    pool_id: str
+    rank: int
+    owner_job: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What the local runtime's broker reports."""
+
+    code: str
+    node_id: str
+    count: int
+    ready: list[int] = field(default_factory=list)
+    """Pids of the spares ready now."""
+    starting: int = 0
+    claims: list[Claim] = field(default_factory=list)
+    idle_timeout: float | None = None
+    runtime_pid: int = 0
+
+
+class Broker:
+    """Keeps `count` spares ready on its node and hands them out, each once."""
+
+    def __init__(self, count: int, idle_timeout: float | None, runtime_pid: int) -> None:
+        """Start filling; `runtime_pid` (the `ray start --block` process) ends the runtime."""
+        self._count = count
+        self._idle_timeout = idle_timeout
+        self._runtime_pid = runtime_pid
+        context = ray.get_runtime_context()
+        self._node_id = context.get_node_id()
+        self._own_job = context.get_job_id()
+        self._lock = threading.Lock()
+        self._ready: list[tuple[Any, str, int]] = []
+        self._starting = 0
+        self._claims: list[Claim] = []
+        self._last_claim = 0.0
+        self._idle_since = time.monotonic()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def info(self) -> RuntimeInfo:
+        """The runtime's state."""
+        alive = {
+            entry["name"]
+            for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry["namespace"] == NAMESPACE
+        }
+        with self._lock:
+            self._claims = [claim for claim in self._claims if claim.actor_name in alive]
+            return RuntimeInfo(
+                code=code_id(),
+                node_id=self._node_id,
+                count=self._count,
+                ready=[pid for _, _, pid in self._ready],
+                starting=self._starting,
+                claims=list(self._claims),
+                idle_timeout=self._idle_timeout,
+                runtime_pid=self._runtime_pid,
+            )
+
+    def claim(
+        self,
+        owner_job: str,
+        job_name: str,
+        pool_id: str,
+        ranks_by_node: dict[str, list[int]],
+        code: str,
+    ) -> tuple[str, dict[int, tuple[Any, int]]]:
+        """(this code's id, {rank: (spare, pid)}) for ranks on this node, as many as ready.
+
+        None are given where `code` differs from the spares' own. The caller sends
+        each spare its `claim` before anything else.
+        """
+        ours = code_id()
+        ranks = ranks_by_node.get(self._node_id, [])
+        if code != ours or not ranks:
+            return ours, {}
+        with self._lock:
+            taken, self._ready = self._ready[: len(ranks)], self._ready[len(ranks) :]
+            self._last_claim = time.monotonic()
+            for (_, name, pid), rank in zip(taken, ranks, strict=False):
+                self._claims.append(Claim(name, job_name, pool_id, rank, owner_job, pid))
+        return ours, {
+            rank: (handle, pid) for (handle, _, pid), rank in zip(taken, ranks, strict=False)
+        }
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(0.5)
+            if self._idle_too_long():
+                os.kill(self._runtime_pid, signal.SIGTERM)  # `ray start --block` stops the rest
+                return
+            with self._lock:
+                short = len(self._ready) < self._count
+                quiet = time.monotonic() - self._last_claim >= _REFILL_QUIET_S
+            if short and quiet:
+                self._start_one()  # one at a time: torch imports compete for cores
+
+    def _start_one(self) -> None:
+        name = f"spare-{uuid.uuid4().hex[:8]}"
+        with self._lock:
+            self._starting = 1
+        try:
+            handle = _RemoteSpare.options(
+                name=name,
+                namespace=NAMESPACE,
+                lifetime="detached",
+                num_cpus=0,  # idle spares hold nothing; a claiming pool's bundles hold the CPUs
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=False),
+            ).remote()
+            pid = ray.get(handle.ready.remote())
+        except Exception:  # noqa: BLE001 - tried again on the next round
+            time.sleep(2)
+            return
+        finally:
+            with self._lock:
+                self._starting = 0
+        with self._lock:
+            self._ready.append((handle, name, pid))
+
+    def _idle_too_long(self) -> bool:
+        """True once no driver but the runtime's own has run for `idle_timeout` seconds."""
+        if self._idle_timeout is None:
+            return False
+        jobs = _jobs()
+        others = jobs is None or any(
+            running for job, running in jobs.items() if job != self._own_job
+        )
+        if others:  # None: cannot tell, so never stop
+            self._idle_since = time.monotonic()
+            return False
+        return time.monotonic() - self._idle_since >= self._idle_timeout
+
+
+RemoteBroker = ray.remote(num_cpus=0)(Broker)
