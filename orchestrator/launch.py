@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import cluster
+from orchestrator import cluster, local
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
 from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
@@ -243,14 +243,23 @@ def cluster_address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_ADDRESS") or cluster.local_cluster()[0]
 
 
+def _only_this_machine(target: str) -> bool:
+    """Whether the cluster at `target` is one node on this machine (started here)."""
+    if target != cluster.local_cluster()[0]:
+        return False
+    cluster.connect(target)
+    return len(cluster.nodes()) == 1
+
+
 def run(options: RunOptions) -> int:
     """Run the script on every rank; the exit status (0: every rank succeeded)."""
     problems = validate(options)
     if problems:
         raise LaunchError("\n".join(problems))
     target = cluster_address(options.address)
-    # The embedded local instance runs on this machine: the ranks read the files in place.
-    shipped = bool(target) and options.upload
+    # The embedded instance, and a one-node `ray start` or local runtime here, run on this
+    # machine: the ranks read the files in place (and may start in warm spares).
+    shipped = bool(target) and options.upload and not _only_this_machine(target)
     script = script_for(options, shipped=shipped)
     fn = distribute(
         run_script,
@@ -385,6 +394,8 @@ def running_jobs() -> dict[tuple[str, str], dict[int, str]]:
         if parsed is not None:
             job, pool_id, rank = parsed
             jobs.setdefault((job, pool_id), {})[rank] = entry["name"]
+    for claim in local.claims():  # ranks running in the local runtime's spares
+        jobs.setdefault((claim.job_name, claim.pool_id), {})[claim.rank] = claim.actor_name
     return jobs
 
 

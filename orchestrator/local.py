@@ -22,7 +22,7 @@ import ray
 
 from orchestrator import cluster
 from orchestrator.errors import OrchestratorError
-from workers.spares import BROKER_NAME, NAMESPACE, RemoteBroker, RuntimeInfo, code_id
+from workers.spares import BROKER_NAME, NAMESPACE, Claim, RemoteBroker, RuntimeInfo, code_id
 
 _START_TIMEOUT_S = 120.0
 _mismatch_said = threading.Event()
@@ -139,6 +139,15 @@ def status() -> tuple[str, RuntimeInfo] | None:
     live, _ = cluster.local_cluster()
     info = _runtime(live) if live else None
     return (live, info) if live and info else None
+
+
+def claims() -> list[Claim]:
+    """The ranks running in the connected cluster's spares (none without a local runtime)."""
+    try:
+        broker = ray.get_actor(BROKER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return []
+    return ray.get(broker.info.remote(), timeout=30).claims
 
 
 def cpus() -> tuple[float, float]:
