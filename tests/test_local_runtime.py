@@ -177,6 +177,16 @@ def test_a_killed_script_frees_its_spares_and_cpus(runtime: Runtime) -> None:
     _, _, claims, cpus = runtime.status()
     assert len(claims) == 2, claims
     assert cpus == "6 of 8"
+    stacks = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "stacks", "job"],
+        env=runtime.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert stacks.returncode == 0, stacks.stderr
+    assert "--- rank 1 ---" in stacks.stdout and "time.sleep(120)" in stacks.stdout, stacks.stdout
     proc.kill()
     proc.communicate()
     deadline = time.monotonic() + 20
@@ -186,6 +196,34 @@ def test_a_killed_script_frees_its_spares_and_cpus(runtime: Runtime) -> None:
     runtime.wait_ready(2)
     *_, cpus = runtime.status()
     assert cpus == "8 of 8"
+
+
+def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> None:
+    """`orchestrator run` on the one-node runtime here: ranks in spares, files read in place."""
+    runtime.wait_ready(2)
+    spares = _spare_pids()
+    (runtime.tmp / "helper.py").write_text("WHO = 'helper beside the script'\n")
+    (runtime.tmp / "script.py").write_text(
+        "import os\nfrom helper import WHO\n"
+        "print('PID', os.getpid(), os.getcwd(), WHO, flush=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", "--nproc", "2", "script.py"],
+        env=runtime.env,
+        cwd=runtime.tmp,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line.split("PID ", 1)[1] for line in proc.stdout.splitlines() if "PID " in line]
+    assert len(lines) == 2, proc.stdout
+    for line in lines:
+        pid, cwd, *_ = line.split()
+        assert int(pid) in spares
+        assert cwd == str(runtime.tmp)  # the folder itself, not a shipped copy
+    runtime.wait_ready(2)
 
 
 def test_stop_ends_every_process(runtime: Runtime) -> None:
