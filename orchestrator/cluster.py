@@ -39,7 +39,7 @@ def connect(address: str | None, *, min_cpus: float = 0) -> bool:
         target = address or os.environ.get("RAY_ADDRESS")
         live, stale = local_cluster()
         if live and target in (None, live):
-            local_token()
+            local_token(live)
         if target or live:
             ray.init(address=target or live, logging_level=logging.WARNING, log_to_driver=False)
             return False
@@ -86,6 +86,18 @@ def _ours(line: str) -> bool:
     return match is not None and int(match.group(1)) in _rank_pids
 
 
+def count_nodes(address: str) -> int | None:
+    """Live nodes of the cluster at `address`, asked without joining it; None if unknown."""
+    try:
+        from ray._raylet import GcsClient  # what `ray status` uses; private
+
+        local_token(address)
+        found = GcsClient(address=address).get_all_node_info(timeout=5)
+        return sum(1 for info in found.values() if info.state == 0)  # 0: ALIVE
+    except Exception:  # noqa: BLE001 - unknown: the caller assumes a real cluster
+        return None
+
+
 def nodes() -> list[Node]:
     """The cluster's live nodes."""
     return [
@@ -130,13 +142,21 @@ def ray_root() -> Path:
     return Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"  # noqa: S108 - Ray's default
 
 
-def local_token() -> None:
-    """Send the token a `ray start` here made: Ray's drivers do only in token mode.
+RUNTIME_RECORD = "orchestrator-local-runtime"
+"""File under ray_root(): the address of the runtime `orchestrator local start` started."""
 
-    Without it they retry for 20 s, then fail with InvalidAuthToken.
+
+def local_token(address: str) -> None:
+    """Send the token if `address` is the local runtime, which runs with token auth.
+
+    Ray's drivers send it only in token mode (RAY_AUTH_MODE=token); without it they
+    retry for 20 s, then fail with InvalidAuthToken. Other clusters are left to Ray.
     """
-    token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token")).expanduser()
-    if "RAY_AUTH_MODE" not in os.environ and (token.exists() or os.environ.get("RAY_AUTH_TOKEN")):
+    try:
+        ours = (ray_root() / RUNTIME_RECORD).read_text().strip() == address
+    except OSError:
+        return
+    if ours and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
         try:  # Ray read its config at import: have it read the variable again
             from ray._raylet import AuthenticationTokenLoader, Config

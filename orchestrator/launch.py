@@ -247,8 +247,7 @@ def _only_this_machine(target: str) -> bool:
     """Whether the cluster at `target` is one node on this machine (started here)."""
     if target != cluster.local_cluster()[0]:
         return False
-    cluster.connect(target)
-    return len(cluster.nodes()) == 1
+    return cluster.count_nodes(target) == 1  # before joining: the join ships the folder
 
 
 def run(options: RunOptions) -> int:
@@ -346,8 +345,7 @@ def connect_existing(address: str | None) -> None:
             "other processes cannot reach: to look at local runs from here, start Ray "
             "with `ray start --head` first"
         )
-    if target == cluster.local_cluster()[0]:
-        cluster.local_token()
+    cluster.local_token(target)
     ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
 
 

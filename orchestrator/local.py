@@ -100,6 +100,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         )
     try:
         address = _wait_for_head(process, log)
+        (cluster.ray_root() / cluster.RUNTIME_RECORD).write_text(address)
         cluster.connect(address)
         broker = RemoteBroker.options(
             name=BROKER_NAME, namespace=NAMESPACE, lifetime="detached"
@@ -111,6 +112,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
                 return info
             time.sleep(0.2)
     except BaseException:
+        (cluster.ray_root() / cluster.RUNTIME_RECORD).unlink(missing_ok=True)
         process.terminate()
         process.wait(30)
         raise
@@ -124,6 +126,7 @@ def stop() -> int:
         where = f"the Ray cluster at {live} was not started by it" if live else "no Ray runs here"
         raise LocalRuntimeError(f"no local runtime is running ({where})")
     ray.shutdown()
+    (cluster.ray_root() / cluster.RUNTIME_RECORD).unlink(missing_ok=True)
     if _alive(info.runtime_pid):
         os.kill(info.runtime_pid, signal.SIGTERM)  # `ray start --block` stops what it started
     deadline = time.monotonic() + 60
