@@ -169,7 +169,8 @@ class Pool:
 
     def _spares(self, bundle_nodes: Mapping[int, str]) -> dict[int, tuple[Any, int]]:
         """Warm processes of the local runtime for CPU-only ranks without a runtime_env."""
-        if self._runtime_env or set(self.request.per_replica()) - {"CPU"}:
+        job_env = ray.get_runtime_context().runtime_env  # a spare has none of the job's
+        if self._runtime_env or job_env or set(self.request.per_replica()) - {"CPU"}:
             return {}
         by_node: dict[str, list[int]] = {}
         for slot in self._slots:
