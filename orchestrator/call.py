@@ -65,13 +65,15 @@ class Call:
         # Large payloads go into the object store once, whatever the number of ranks;
         # small ones travel inside each task, which saves every rank a fetch.
         source_size = sum(len(line) for lines in payload.sources.values() for line in lines)
-        shipped: Any = payload
+        shipped: Any
         if len(payload.call) + source_size > _INLINE_BYTES:
             # Out of band, each rank reads the bytes in place from the object store.
             shipped = ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
+        else:  # bytes: Ray passes them as they are, where it would pickle a dataclass per rank
+            shipped = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         specs = pool.specs_for_call(restart_count, max_restarts)
         self.runs = {
-            actor.run.remote(spec, shipped): spec.rank
+            actor.run.remote(pickle.dumps(spec), shipped): spec.rank
             for actor, spec in zip(pool.actors, specs, strict=True)
         }
         self.owed: dict[int, int] = {}  # rank -> output seq to show before it counts as done

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -70,8 +71,14 @@ class RankActor:
         self._next_store = TCPStore(self._node_ip, 0, None, is_master=True, wait_for_workers=False)
         return self._next_store.port
 
-    def run(self, spec: RankSpec, payload: Payload) -> RankResult | RankFailure:
-        """Run the shipped function as rank `spec.rank`; never raises."""
+    def run(self, packed_spec: bytes, payload: bytes | Payload) -> RankResult | RankFailure:
+        """Run the shipped function as the rank the pickled RankSpec names; never raises.
+
+        A small payload comes pickled (bytes), a large one from the object store.
+        """
+        spec: RankSpec = pickle.loads(packed_spec)  # noqa: S301 - from our own driver
+        if isinstance(payload, bytes):
+            payload = pickle.loads(payload)  # noqa: S301 - from our own driver
         self._local_rank = spec.local_rank
         if spec.rank == 0:
             # The previous call's store lived until now: peers may have used it to the end.
