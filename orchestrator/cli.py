@@ -270,6 +270,8 @@ def _local(args: argparse.Namespace) -> int:
         f"{len(info.ready)} of {info.count} warm rank processes ready"
         + (", 1 starting" if info.starting else "")
     )
+    if info.error:
+        print(f"  the last warm process failed to start: {info.error}")
     free, total = local.cpus()
     print(f"  CPUs free: {free:g} of {total:g}")
     for claim in info.claims:

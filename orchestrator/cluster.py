@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -10,6 +11,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -142,21 +144,28 @@ def ray_root() -> Path:
     return Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"  # noqa: S108 - Ray's default
 
 
-RUNTIME_RECORD = "orchestrator-local-runtime"
-"""File under ray_root(): the address of the runtime `orchestrator local start` started."""
+RUNTIME_RECORD = "orchestrator-local-runtime.json"
+"""File under ray_root(): address, pid and auth mode of `orchestrator local start`'s runtime."""
+
+
+def runtime_record() -> dict[str, Any] | None:
+    """What `orchestrator local start` recorded about its runtime here, or None."""
+    try:
+        record = json.loads((ray_root() / RUNTIME_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def local_token(address: str) -> None:
-    """Send the token if `address` is the local runtime, which runs with token auth.
+    """Send the token if `address` is the local runtime and it runs with token auth.
 
     Ray's drivers send it only in token mode (RAY_AUTH_MODE=token); without it they
     retry for 20 s, then fail with InvalidAuthToken. Other clusters are left to Ray.
     """
-    try:
-        ours = (ray_root() / RUNTIME_RECORD).read_text().strip() == address
-    except OSError:
-        return
-    if ours and "RAY_AUTH_MODE" not in os.environ:
+    record = runtime_record()
+    ours = record is not None and record.get("address") == address
+    if ours and record.get("auth") == "token" and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
         try:  # Ray read its config at import: have it read the variable again
             from ray._raylet import AuthenticationTokenLoader, Config

@@ -8,6 +8,7 @@ spares, processes that imported torch before the script began.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -21,15 +22,34 @@ from typing import Any
 import ray
 
 from orchestrator import cluster
-from orchestrator.errors import OrchestratorError
-from workers.spares import BROKER_NAME, NAMESPACE, Claim, RemoteBroker, RuntimeInfo, code_id
+from orchestrator.errors import ConfigError, OrchestratorError
+from workers.spares import (
+    BROKER_NAME,
+    NAMESPACE,
+    Claim,
+    ClaimRequest,
+    RemoteBroker,
+    RuntimeInfo,
+    code_id,
+)
 
 _START_TIMEOUT_S = 120.0
-_mismatch_said = threading.Event()
+_said = threading.Event()
 
 
 class LocalRuntimeError(OrchestratorError):
     """The local runtime cannot be started, found or stopped as asked."""
+
+
+def on_runtime() -> bool:
+    """Whether this process is connected to a cluster with a local runtime's broker."""
+    if cluster.is_embedded():
+        return False
+    try:
+        ray.get_actor(BROKER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def spares_for(
@@ -37,37 +57,57 @@ def spares_for(
 ) -> dict[int, tuple[Any, int]]:
     """Claim warm spares of the local runtime for these ranks: {rank: (actor, pid)}.
 
-    Empty where no local runtime runs, or it has none ready on the ranks' node.
+    Empty where no local runtime runs, it has none ready on the ranks' node, or it
+    cannot answer (those ranks then start new actors, as anywhere else).
     """
-    if cluster.is_embedded():
-        return {}
+    code = code_id()
+    request = ClaimRequest(
+        owner_job=ray.get_runtime_context().get_job_id(),
+        job_name=pool_name,
+        pool_id=pool_id,
+        ranks_by_node=ranks_by_node,
+        code=code,
+        paths=_driver_paths(),
+    )
     try:
         broker = ray.get_actor(BROKER_NAME, namespace=NAMESPACE)
-    except ValueError:  # no local runtime on this cluster
+        their_code, taken = ray.get(broker.claim.remote(request), timeout=60)
+    except Exception as exc:  # noqa: BLE001 - never worse than no runtime
+        _say_once(f"the local runtime did not hand out warm processes ({exc}); starting new ones")
         return {}
-    owner = ray.get_runtime_context().get_job_id()
-    code = code_id()
-    their_code, taken = ray.get(
-        broker.claim.remote(owner, pool_name, pool_id, ranks_by_node, code), timeout=30
-    )
-    if their_code != code and not _mismatch_said.is_set():
-        _mismatch_said.set()
-        cluster.say(
+    if their_code != code:
+        _say_once(
             "the local runtime runs other orchestrator code or another Python (started before "
             "an update?), so its warm processes are not used; restart it: "
             "orchestrator local stop && orchestrator local start"
         )
-    for rank, (actor, _) in taken.items():
-        actor.claim.remote(pool_name, rank, owner)  # first in the actor's queue
     return taken
+
+
+def _driver_paths() -> list[str]:
+    """What Ray puts on sys.path for this driver's workers: its script's folder, its cwd."""
+    paths = []
+    script_dir = os.path.dirname(os.path.realpath(sys.argv[0])) if sys.argv and sys.argv[0] else ""
+    if script_dir and script_dir in sys.path:
+        paths.append(script_dir)
+    paths.append(os.path.abspath(os.curdir))
+    return paths
+
+
+def _say_once(message: str) -> None:
+    if not _said.is_set():
+        _said.set()
+        cluster.say(message)
 
 
 def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | None) -> RuntimeInfo:
     """Start the runtime and wait for its spares; raise LocalRuntimeError if it cannot."""
     if spares < 0:
-        raise LocalRuntimeError(f"--spares={spares}: give 0 or more warm rank processes")
+        raise ConfigError(f"--spares={spares}: give 0 or more warm rank processes")
     if idle_timeout is not None and idle_timeout <= 0:
-        raise LocalRuntimeError(f"--idle-timeout={idle_timeout:g}: give seconds > 0, or none")
+        raise ConfigError(f"--idle-timeout={idle_timeout:g}: give seconds > 0, or 0 for never")
+    if cpus is not None and cpus < 1:
+        raise ConfigError(f"--cpus={cpus}: give 1 or more logical CPUs (slots for ranks)")
     live, _ = cluster.local_cluster()
     if live:
         if _runtime(live) is not None:
@@ -76,6 +116,9 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
             f"a Ray cluster started with `ray start` already runs here at {live}; "
             "distribute() uses it as it is. Stop it first (`ray stop`) to start the local runtime"
         )
+    auth = os.environ.get("RAY_AUTH_MODE", "token")  # on unless the user turned it off
+    if auth == "token":
+        _ensure_token()
     log = _log_path()
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [
@@ -95,16 +138,17 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             # On SIGTERM Ray would wait up to 30 s for busy nodes to drain; spares never are.
-            env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **os.environ},
+            env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **os.environ, "RAY_AUTH_MODE": auth},
             start_new_session=True,  # a Ctrl-C in this terminal later must not stop it
         )
     try:
         address = _wait_for_head(process, log)
-        (cluster.ray_root() / cluster.RUNTIME_RECORD).write_text(address)
+        record = cluster.ray_root() / cluster.RUNTIME_RECORD
+        record.write_text(json.dumps({"address": address, "pid": process.pid, "auth": auth}))
         cluster.connect(address)
         broker = RemoteBroker.options(
             name=BROKER_NAME, namespace=NAMESPACE, lifetime="detached"
-        ).remote(spares, idle_timeout, process.pid)
+        ).remote(spares, idle_timeout, process.pid, str(record))
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
             info: RuntimeInfo = ray.get(broker.info.remote(), timeout=30)
@@ -122,19 +166,43 @@ def stop() -> int:
     """Stop the runtime's Ray processes; the pid that was stopped."""
     live, _ = cluster.local_cluster()
     info = _runtime(live) if live else None
-    if info is None:
+    record = cluster.runtime_record()
+    pid = info.runtime_pid if info else None
+    if pid is None and live and record and record.get("address") == live:
+        pid = int(record["pid"])  # its broker is gone, its Ray is not
+    if pid is None:
         where = f"the Ray cluster at {live} was not started by it" if live else "no Ray runs here"
         raise LocalRuntimeError(f"no local runtime is running ({where})")
     ray.shutdown()
     (cluster.ray_root() / cluster.RUNTIME_RECORD).unlink(missing_ok=True)
-    if _alive(info.runtime_pid):
-        os.kill(info.runtime_pid, signal.SIGTERM)  # `ray start --block` stops what it started
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)  # `ray start --block` stops what it started
     deadline = time.monotonic() + 60
-    while _alive(info.runtime_pid) and time.monotonic() < deadline:
+    while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(info.runtime_pid):
-        raise LocalRuntimeError(f"the local runtime (pid {info.runtime_pid}) did not stop in 60 s")
-    return info.runtime_pid
+    if _alive(pid):
+        raise LocalRuntimeError(f"the local runtime (pid {pid}) did not stop in 60 s")
+    return pid
+
+
+def _ensure_token() -> None:
+    """Make the token Ray's token mode needs (~/.ray/auth_token) where none is set up."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    custom = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if custom:
+        if not Path(custom).expanduser().exists():
+            raise LocalRuntimeError(
+                f"RAY_AUTH_TOKEN_PATH={custom} does not exist: create the token there "
+                "(`ray get-auth-token --generate`), or unset RAY_AUTH_TOKEN_PATH"
+            )
+        return
+    if not (Path.home() / ".ray" / "auth_token").exists():
+        from ray._private.authentication.authentication_token_setup import (
+            generate_and_save_token,
+        )
+
+        generate_and_save_token()
 
 
 def status() -> tuple[str, RuntimeInfo] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import threading
@@ -158,17 +159,24 @@ class Pool:
         self._slots = placement.layout(request.num_replicas, request.replicas_per_node)
         self._bundles = [bundles[slot.node_rank] for slot in self._slots]
         self._env, self._runtime_env, self._post_mortem = env, runtime_env, post_mortem
-        spares = self._spares(bundle_nodes)
-        self.actors = [
-            spares[slot.rank][0] if slot.rank in spares else self._new_actor(slot.rank)
-            for slot in self._slots
-        ]
+        on_runtime = local.on_runtime()
+        # On the local runtime ranks run in the script's folder, as on the embedded instance.
+        self._workdir = os.getcwd() if on_runtime else None
+        spares = self._spares(bundle_nodes) if on_runtime else {}
+        try:
+            for slot in self._slots:  # one by one: shutdown() kills those made so far
+                spare = spares.get(slot.rank)
+                self.actors.append(spare[0] if spare else self._new_actor(slot.rank))
+        except BaseException:
+            for actor, _ in spares.values():  # claimed, perhaps not in self.actors yet
+                ray.kill(actor, no_restart=True)
+            raise
         self.infos = self._infos(range(len(self.actors)))
         self.next_port: int = self._open_store()
         self._respec()
 
     def _spares(self, bundle_nodes: Mapping[int, str]) -> dict[int, tuple[Any, int]]:
-        """Warm processes of the local runtime for CPU-only ranks without a runtime_env."""
+        """The local runtime's warm processes for CPU-only ranks without a runtime_env."""
         job_env = ray.get_runtime_context().runtime_env  # a spare has none of the job's
         if self._runtime_env or job_env or set(self.request.per_replica()) - {"CPU"}:
             return {}
@@ -231,6 +239,7 @@ class Pool:
             self.infos,
             self._env,
             post_mortem=self._post_mortem,
+            workdir=self._workdir,
         )
 
     def specs_for_call(self, restart_count: int = 0, max_restarts: int = 0) -> list[RankSpec]:
@@ -270,6 +279,7 @@ def _specs(
     env: Mapping[str, str],
     *,
     post_mortem: bool,
+    workdir: str | None = None,
 ) -> list[RankSpec]:
     by_node: dict[int, list[tuple[str, ...]]] = {}
     for slot, info in zip(slots, infos, strict=True):
@@ -292,6 +302,7 @@ def _specs(
             node_ip=info.node_ip,
             post_mortem=post_mortem,
             env=dict(env),
+            workdir=workdir,
         )
         for slot, info in zip(slots, infos, strict=True)
     ]

@@ -30,6 +30,9 @@ DRIVER = textwrap.dedent("""\
     from orchestrator import distribute
 
     def job(hold):
+        import sibling  # on the rank: needs the script's folder on sys.path
+        with open("data.txt") as f:  # relative to the script's working directory
+            data = f.read().strip()
         dist.init_process_group(backend="gloo")
         t = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(t)
@@ -38,7 +41,7 @@ DRIVER = textwrap.dedent("""\
             with open(hold, "a") as out:
                 out.write(f"{os.getpid()}\\n")
             time.sleep(120)
-        return [os.getpid(), int(os.environ["RANK"]), t.item()]
+        return [os.getpid(), int(os.environ["RANK"]), t.item(), sibling.WHO, data]
 
     hold = sys.argv[1] if len(sys.argv) > 1 else ""
     print("RESULTS", json.dumps(distribute(job, num_replicas=2, replicas_per_node=1)(hold)))
@@ -89,10 +92,15 @@ class Runtime:
         pytest.fail(f"the runtime did not get back to {count} ready spares: {self.status()}")
 
     def driver(self, *args: str) -> subprocess.Popen[str]:
-        script = self.tmp / "driver.py"
-        script.write_text(DRIVER)
+        """The driver script, in its own folder beside a module; run from self.tmp."""
+        folder = self.tmp / "scripts"
+        folder.mkdir(exist_ok=True)
+        (folder / "driver.py").write_text(DRIVER)
+        (folder / "sibling.py").write_text("WHO = 'sibling'\n")
+        (self.tmp / "data.txt").write_text("data\n")
         return subprocess.Popen(
-            [sys.executable, str(script), *args],
+            [sys.executable, str(folder / "driver.py"), *args],
+            cwd=self.tmp,
             env=self.env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -100,11 +108,17 @@ class Runtime:
         )
 
 
-def _spare_pids() -> set[int]:
+def _spare_pids(ray_tmpdir: Path | None = None) -> set[int]:
+    """Pids of spare processes (of the runtime in `ray_tmpdir` only, when given)."""
     found = set()
+    want = f"RAY_TMPDIR={ray_tmpdir}".encode() if ray_tmpdir else None
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::Spare"):
+            if not entry.name.isdigit():
+                continue
+            if not (entry / "cmdline").read_bytes().startswith(b"ray::Spare"):
+                continue
+            if want is None or want in (entry / "environ").read_bytes().split(b"\0"):
                 found.add(int(entry.name))
         except OSError:
             continue
@@ -121,23 +135,26 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def runtime() -> Iterator[Runtime]:
-    """A local runtime with 2 spares in a private Ray temp dir; stopped at the end."""
+    """A local runtime with 2 spares in a private Ray temp dir; stopped at the end.
+
+    HOME is empty, as on a fresh machine: no Ray token exists until `local start` makes one.
+    """
     tmp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT), HOME=str(tmp / "home"))
     rt = Runtime(env, tmp)
-    before = _spare_pids()
     started = rt.cli(
         "start", "--spares", "2", "--port", str(_free_port()), "--cpus", "8", timeout=180
     )
     assert started.returncode == 0, started.stdout + started.stderr
     assert "2 warm rank processes" in started.stdout, started.stdout
+    assert (tmp / "home" / ".ray" / "auth_token").exists()  # token auth stays on
     yield rt
     leftover = rt.cli("status")
     pid = re.search(r"\(pid (\d+)", leftover.stdout)
     if pid and _alive(int(pid[1])):  # a failed test left it running: stop our own pid only
         os.kill(int(pid[1]), signal.SIGTERM)
-    for spare in _spare_pids() - before:
+    for spare in _spare_pids(tmp):
         os.kill(spare, signal.SIGKILL)
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -145,14 +162,15 @@ def runtime() -> Iterator[Runtime]:
 def test_a_fresh_script_runs_its_ranks_in_warm_spares(runtime: Runtime) -> None:
     """No address: the script finds the runtime, and its 2 ranks are the 2 ready spares."""
     runtime.wait_ready(2)
-    spares = _spare_pids()
+    spares = _spare_pids(runtime.tmp)
     assert len(spares) >= 2
     assert runtime.cli("start").returncode != 0  # a second start refuses
     proc = runtime.driver()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     results = json.loads(next(x for x in out.splitlines() if x.startswith("RESULTS"))[8:])
-    assert [r[1:] for r in results] == [[0, 3.0], [1, 3.0]]  # rank order, right all_reduce
+    # Rank order, the right all_reduce, a sibling module and a relative path as in the script.
+    assert [r[1:] for r in results] == [[0, 3.0, "sibling", "data"], [1, 3.0, "sibling", "data"]]
     pids = {r[0] for r in results}
     assert pids <= spares, (pids, spares)  # torch was imported before the script began
     assert "embedded" not in err  # no Ray of its own
@@ -172,7 +190,9 @@ def test_a_killed_script_frees_its_spares_and_cpus(runtime: Runtime) -> None:
     proc = runtime.driver(str(hold))
     deadline = time.monotonic() + 60
     while (not hold.exists() or len(hold.read_text().split()) < 2) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
+    assert hold.exists(), "the ranks never started"
     pids = [int(pid) for pid in hold.read_text().split()]
     _, _, claims, cpus = runtime.status()
     assert len(claims) == 2, claims
@@ -199,16 +219,19 @@ def test_a_killed_script_frees_its_spares_and_cpus(runtime: Runtime) -> None:
 
 
 def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> None:
-    """`orchestrator run` on the one-node runtime here: ranks in spares, files read in place."""
+    """`orchestrator run` on the one-node runtime here: files read in place, spares used.
+
+    3 ranks, 2 spares: two ranks start in them, the third in a new process.
+    """
     runtime.wait_ready(2)
-    spares = _spare_pids()
+    spares = _spare_pids(runtime.tmp)
     (runtime.tmp / "helper.py").write_text("WHO = 'helper beside the script'\n")
     (runtime.tmp / "script.py").write_text(
         "import os\nfrom helper import WHO\n"
         "print('PID', os.getpid(), os.getcwd(), WHO, flush=True)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", "--nproc", "2", "script.py"],
+        [sys.executable, "-m", "orchestrator", "run", "--nproc", "3", "script.py"],
         env=runtime.env,
         cwd=runtime.tmp,
         capture_output=True,
@@ -218,24 +241,67 @@ def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> Non
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line.split("PID ", 1)[1] for line in proc.stdout.splitlines() if "PID " in line]
-    assert len(lines) == 2, proc.stdout
+    assert len(lines) == 3, proc.stdout
+    pids = {int(line.split()[0]) for line in lines}
+    assert len(pids & spares) == 2, (pids, spares)
     for line in lines:
-        pid, cwd, *_ = line.split()
-        assert int(pid) in spares
-        assert cwd == str(runtime.tmp)  # the folder itself, not a shipped copy
+        assert line.split()[1] == str(runtime.tmp)  # the folder itself, not a shipped copy
     runtime.wait_ready(2)
 
 
 def test_stop_ends_every_process(runtime: Runtime) -> None:
     """`local stop` ends Ray and the spares; status then says none runs."""
     runtime_pid, *_ = runtime.status()
-    spares = _spare_pids()
+    spares = _spare_pids(runtime.tmp)
     stopped = runtime.cli("stop")
     assert stopped.returncode == 0, stopped.stderr
     assert not _alive(runtime_pid)
     deadline = time.monotonic() + 10
-    while spares & _spare_pids() and time.monotonic() < deadline:
+    while spares & _spare_pids(runtime.tmp) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not spares & _spare_pids()
+    assert not spares & _spare_pids(runtime.tmp)
     after = runtime.cli("status")
     assert after.returncode == 3 and "no local runtime" in after.stdout
+
+
+@pytest.fixture
+def private_env() -> Iterator[tuple[dict[str, str], Path]]:
+    """An environment whose RAY_TMPDIR no Ray has used."""
+    tmp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    yield env, tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_bad_input_and_nothing_to_stop(private_env: tuple[dict[str, str], Path]) -> None:
+    """Bad values are named before anything starts; stop without a runtime says so."""
+    rt = Runtime(*private_env)
+    bad = rt.cli("start", "--spares", "-1")
+    assert bad.returncode == 2 and "--spares=-1" in bad.stderr, bad.stderr
+    assert not (private_env[1] / "ray").exists()  # nothing was started
+    stop = rt.cli("stop")
+    assert stop.returncode != 0 and "no local runtime is running" in stop.stderr, stop.stderr
+
+
+def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) -> None:
+    """--idle-timeout: with no script connected for that long, every process ends."""
+    rt = Runtime(*private_env)
+    started = rt.cli(
+        "start", "--spares", "1", "--port", str(_free_port()), "--idle-timeout", "3", timeout=180
+    )
+    assert started.returncode == 0, started.stdout + started.stderr
+    runtime_pid = int(re.search(r"\(pid (\d+)\)", started.stdout)[1])
+    spares = _spare_pids(private_env[1])
+    assert len(spares) == 1
+    deadline = time.monotonic() + 60
+    while _alive(runtime_pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    try:
+        assert not _alive(runtime_pid), "the idle runtime kept running"
+        time.sleep(2)
+        assert not any(_alive(pid) for pid in spares)
+        assert rt.cli("status").returncode == 3
+    finally:
+        if _alive(runtime_pid):
+            os.kill(runtime_pid, signal.SIGTERM)

@@ -72,6 +72,8 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
 def apply(spec: RankSpec) -> None:
     """Set this process's environment for `spec` and bind its GPU, before user code."""
     os.environ.update(rank_env(spec))
+    if spec.workdir and os.path.isdir(spec.workdir):
+        os.chdir(spec.workdir)
     # breakpoint() opens a pdb the driver's machine can attach to (Ray installs its
     # own hook in workers); PYTHONBREAKPOINT in the user's env= still wins.
     if "PYTHONBREAKPOINT" in spec.env:

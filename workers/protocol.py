@@ -47,6 +47,8 @@ class RankSpec:
     restart_count: int = 0
     """How many times the job was restarted before this attempt."""
     max_restarts: int = 0
+    workdir: str | None = None
+    """Where the rank runs, when it runs on the driver's machine (the local runtime)."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ owned by the runtime, not by a script.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -29,6 +30,8 @@ BROKER_NAME = "local-runtime"
 NAMESPACE = "orchestrator"
 _WATCH_S = 1.0
 """How often a claimed spare checks that its driver's job still runs."""
+_START_TIMEOUT_S = 300.0
+"""A spare not ready (torch imported) within this long is killed and tried again."""
 _REFILL_QUIET_S = 3.0
 """After a claim, the broker waits this long before starting replacements (CPU for the job)."""
 
@@ -48,7 +51,13 @@ def _jobs() -> dict[str, bool] | None:
     """Every Ray job of the cluster: hex id -> still running; None when Ray cannot tell."""
     try:
         gcs = ray._private.worker.global_worker.gcs_client  # no public API tells this
-        return {job_id.hex(): not info.is_dead for job_id, info in gcs.get_all_job_info().items()}
+        try:  # without these, the GCS asks every running driver about its tasks each time
+            jobs = gcs.get_all_job_info(
+                skip_submission_job_info_field=True, skip_is_running_tasks_field=True
+            )
+        except TypeError:
+            jobs = gcs.get_all_job_info()
+        return {job_id.hex(): not info.is_dead for job_id, info in jobs.items()}
     except Exception:  # noqa: BLE001 - then spares die with their pool only
         return None
 
@@ -65,10 +74,15 @@ class Spare(RankActor):
         """This process's pid, once torch is imported."""
         return os.getpid()
 
-    def claim(self, job_name: str, rank: int, owner_job: str) -> None:
-        """Serve `rank` of `job_name` for the Ray job `owner_job`; exit when that job ends."""
+    def claim(self, job_name: str, rank: int, owner_job: str, paths: list[str]) -> None:
+        """Serve `rank` of `job_name` for the Ray job `owner_job`; exit when that job ends.
+
+        `paths` go first on sys.path: what Ray gives the workers of the owner's job
+        (its script's folder and working directory), so its sibling modules import.
+        """
         self._label = f"{job_name} r{rank}"
         self._rank = rank
+        sys.path[:0] = [path for path in paths if path not in sys.path]
         threading.Thread(target=self._watch, args=(owner_job,), daemon=True).start()
 
     def _watch(self, owner_job: str) -> None:
@@ -80,6 +94,21 @@ class Spare(RankActor):
 
 
 _RemoteSpare = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Spare)
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """A driver's request for spares, for the ranks of one pool."""
+
+    owner_job: str
+    """Hex id of the driver's Ray job: the spares exit when it ends."""
+    job_name: str
+    pool_id: str
+    ranks_by_node: dict[str, list[int]]
+    code: str
+    """The driver's code_id(): spares serve only the same code and Python."""
+    paths: list[str]
+    """Put first on each spare's sys.path (the driver's script folder and working dir)."""
 
 
 @dataclass(frozen=True)
@@ -107,19 +136,26 @@ class RuntimeInfo:
     claims: list[Claim] = field(default_factory=list)
     idle_timeout: float | None = None
     runtime_pid: int = 0
+    error: str = ""
+    """Why the last spare failed to start, if it did."""
 
 
 class Broker:
     """Keeps `count` spares ready on its node and hands them out, each once."""
 
-    def __init__(self, count: int, idle_timeout: float | None, runtime_pid: int) -> None:
-        """Start filling; `runtime_pid` (the `ray start --block` process) ends the runtime."""
+    def __init__(
+        self, count: int, idle_timeout: float | None, runtime_pid: int, record: str
+    ) -> None:
+        """Start filling; `runtime_pid` (the `ray start --block` process) ends the runtime.
+
+        `record` is the file naming this runtime for drivers; removed when it stops itself.
+        """
         self._count = count
         self._idle_timeout = idle_timeout
         self._runtime_pid = runtime_pid
-        context = ray.get_runtime_context()
-        self._node_id = context.get_node_id()
-        self._own_job = context.get_job_id()
+        self._record = record
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._error = ""
         self._lock = threading.Lock()
         self._ready: list[tuple[Any, str, int]] = []
         self._starting = 0
@@ -146,38 +182,44 @@ class Broker:
                 claims=list(self._claims),
                 idle_timeout=self._idle_timeout,
                 runtime_pid=self._runtime_pid,
+                error=self._error,
             )
 
-    def claim(
-        self,
-        owner_job: str,
-        job_name: str,
-        pool_id: str,
-        ranks_by_node: dict[str, list[int]],
-        code: str,
-    ) -> tuple[str, dict[int, tuple[Any, int]]]:
+    def claim(self, request: ClaimRequest) -> tuple[str, dict[int, tuple[Any, int]]]:
         """(this code's id, {rank: (spare, pid)}) for ranks on this node, as many as ready.
 
-        None are given where `code` differs from the spares' own. The caller sends
-        each spare its `claim` before anything else.
+        None are given where the request's code differs from the spares' own. Each
+        spare given has its `claim` done (its watchdog runs) before this returns, so a
+        driver dying at any moment after takes its spares with it.
         """
         ours = code_id()
-        ranks = ranks_by_node.get(self._node_id, [])
-        if code != ours or not ranks:
+        ranks = request.ranks_by_node.get(self._node_id, [])
+        if request.code != ours or not ranks:
             return ours, {}
         with self._lock:
             taken, self._ready = self._ready[: len(ranks)], self._ready[len(ranks) :]
             self._last_claim = time.monotonic()
-            for (_, name, pid), rank in zip(taken, ranks, strict=False):
-                self._claims.append(Claim(name, job_name, pool_id, rank, owner_job, pid))
-        return ours, {
-            rank: (handle, pid) for (handle, _, pid), rank in zip(taken, ranks, strict=False)
-        }
+        given = {}
+        for (handle, name, pid), rank in zip(taken, ranks, strict=False):
+            try:
+                done = handle.claim.remote(request.job_name, rank, request.owner_job, request.paths)
+                ray.get(done, timeout=30)
+            except Exception:  # noqa: BLE001 - a broken spare: that rank gets a new actor
+                ray.kill(handle, no_restart=True)
+                continue
+            given[rank] = (handle, pid)
+            with self._lock:
+                self._claims.append(
+                    Claim(name, request.job_name, request.pool_id, rank, request.owner_job, pid)
+                )
+        return ours, given
 
     def _loop(self) -> None:
         while True:
             time.sleep(0.5)
             if self._idle_too_long():
+                with contextlib.suppress(OSError):
+                    os.unlink(self._record)
                 os.kill(self._runtime_pid, signal.SIGTERM)  # `ray start --block` stops the rest
                 return
             with self._lock:
@@ -190,6 +232,7 @@ class Broker:
         name = f"spare-{uuid.uuid4().hex[:8]}"
         with self._lock:
             self._starting = 1
+        handle = None
         try:
             handle = _RemoteSpare.options(
                 name=name,
@@ -198,8 +241,11 @@ class Broker:
                 num_cpus=0,  # idle spares hold nothing; a claiming pool's bundles hold the CPUs
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=False),
             ).remote()
-            pid = ray.get(handle.ready.remote())
-        except Exception:  # noqa: BLE001 - tried again on the next round
+            pid = ray.get(handle.ready.remote(), timeout=_START_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - said by info(); tried again on the next round
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+            self._error = f"{type(exc).__name__}: {str(exc)[:500]}"
             time.sleep(2)
             return
         finally:
@@ -207,16 +253,16 @@ class Broker:
                 self._starting = 0
         with self._lock:
             self._ready.append((handle, name, pid))
+            self._error = ""
 
     def _idle_too_long(self) -> bool:
-        """True once no driver but the runtime's own has run for `idle_timeout` seconds."""
+        """True once no driver has run for `idle_timeout` seconds."""
         if self._idle_timeout is None:
             return False
         jobs = _jobs()
-        others = jobs is None or any(
-            running for job, running in jobs.items() if job != self._own_job
-        )
-        if others:  # None: cannot tell, so never stop
+        # Any live driver counts, `orchestrator local start` itself included (it waits for
+        # the spares); so does not knowing.
+        if jobs is None or any(jobs.values()):
             self._idle_since = time.monotonic()
             return False
         return time.monotonic() - self._idle_since >= self._idle_timeout
