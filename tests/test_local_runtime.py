@@ -246,7 +246,6 @@ def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> Non
     assert len(pids & spares) == 2, (pids, spares)
     for line in lines:
         assert line.split()[1] == str(runtime.tmp)  # the folder itself, not a shipped copy
-    runtime.wait_ready(2)
 
 
 def test_stop_ends_every_process(runtime: Runtime) -> None:
