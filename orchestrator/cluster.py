@@ -131,7 +131,10 @@ def _start_local(min_cpus: float) -> None:
     finally:
         quiet.setLevel(level)
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    say(f"running locally on an embedded Ray instance ({os.cpu_count()} cores, {gpus} GPUs)")
+    say(
+        f"running locally on an embedded Ray instance ({os.cpu_count()} cores, {gpus} GPUs); "
+        "`orchestrator local start` keeps one warm between scripts"
+    )
 
 
 def is_embedded() -> bool:
