@@ -207,7 +207,7 @@ def _show(pool: Pool, rank: int, ref: ray.ObjectRef) -> None:
 
 def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFailure:
     try:
-        return ray.get(ref)
+        return pickle.loads(ray.get(ref))  # noqa: S301 - from our own rank actor
     except RayActorError as exc:
         pool.dead.add(rank)
         info = pool.infos[rank]

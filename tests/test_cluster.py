@@ -145,6 +145,25 @@ def test_rank_exception_raised_at_once_and_pool_recovers(cluster, capfd):
     wait_resources_back()
 
 
+def _lock_on_rank_1():
+    import threading
+
+    return threading.Lock() if os.environ["RANK"] == "1" else int(os.environ["RANK"])
+
+
+def test_a_value_that_cannot_be_pickled_is_that_ranks_failure(cluster):
+    fn = distribute(_lock_on_rank_1, num_replicas=2, replicas_per_node=1)
+    with pytest.raises(DistributedError) as info:
+        fn()
+    assert info.value.root_cause.rank == 1
+    assert "cannot be sent to the driver" in str(info.value)
+    assert "lock" in str(info.value)  # the pickling error names the type
+    fn.fn = lambda: int(os.environ["RANK"])
+    assert fn() == [0, 1]
+    fn.shutdown()
+    wait_resources_back()
+
+
 @pytest.mark.parametrize("how", ["exit", "kill", "segfault"])
 def test_crashed_rank_is_reported_as_a_crash(cluster, capfd, how):
     def die_on_rank_1(how: str) -> int:

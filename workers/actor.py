@@ -71,12 +71,24 @@ class RankActor:
         self._next_store = TCPStore(self._node_ip, 0, None, is_master=True, wait_for_workers=False)
         return self._next_store.port
 
-    def run(self, packed_spec: bytes, payload: bytes | Payload) -> RankResult | RankFailure:
+    def run(self, packed_spec: bytes, payload: bytes | Payload) -> bytes:
         """Run the shipped function as the rank the pickled RankSpec names; never raises.
 
-        A small payload comes pickled (bytes), a large one from the object store.
+        A small payload comes pickled (bytes), a large one from the object store. The
+        RankResult or RankFailure goes back cloudpickled: bytes cost Ray nothing more to
+        pass, and a value that cannot be pickled becomes this rank's failure.
         """
-        spec: RankSpec = pickle.loads(packed_spec)  # noqa: S301 - from our own driver
+        outcome = self._run(pickle.loads(packed_spec), payload)  # noqa: S301 - our driver's
+        try:
+            return cloudpickle.dumps(outcome)
+        except Exception as exc:  # noqa: BLE001 - reported as the rank's failure
+            problem = TypeError(
+                f"the function returned a value that cannot be sent to the driver ({exc}); "
+                "return something picklable (tensors, numbers, dicts), or save it to a file"
+            )
+            return cloudpickle.dumps(self._failure(problem, time.time(), setup=False))
+
+    def _run(self, spec: RankSpec, payload: bytes | Payload) -> RankResult | RankFailure:
         if isinstance(payload, bytes):
             payload = pickle.loads(payload)  # noqa: S301 - from our own driver
         self._local_rank = spec.local_rank
