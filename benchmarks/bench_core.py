@@ -401,16 +401,19 @@ def local_runtime(spares: int) -> Iterator[tuple[dict[str, str], Callable[[], li
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        cli = [PYTHON, "-m", "orchestrator", "local"]
-        started = subprocess.run(
-            [*cli, "start", f"--spares={spares}", f"--port={port}"],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [PYTHON, "-m", "orchestrator", "local", *args],
+                env=env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+
+        started = cli("start", f"--spares={spares}", f"--port={port}")
         if started.returncode:
             raise RuntimeError(f"orchestrator local start failed:\n{started.stderr[-3000:]}")
 
@@ -418,15 +421,7 @@ def local_runtime(spares: int) -> Iterator[tuple[dict[str, str], Callable[[], li
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 spare = [p for p in psutil.process_iter(["cmdline"]) if _is_spare(p, tmp)]
-                status = subprocess.run(
-                    [*cli, "status"],
-                    env=env,
-                    cwd=ROOT,
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                    check=False,
-                )
+                status = cli("status")
                 if f"{spares} of {spares} warm" in status.stdout and "in use" not in status.stdout:
                     return [p.memory_full_info().uss / 2**20 for p in spare]
                 time.sleep(0.5)
@@ -435,9 +430,7 @@ def local_runtime(spares: int) -> Iterator[tuple[dict[str, str], Callable[[], li
         try:
             yield env, idle
         finally:
-            subprocess.run(
-                [*cli, "stop"], env=env, cwd=ROOT, capture_output=True, timeout=120, check=False
-            )
+            cli("stop")
             stop_leftovers("RAY_TMPDIR", tmp)
 
 

@@ -39,11 +39,11 @@ def connect(address: str | None, *, min_cpus: float = 0) -> bool:
         if ray.is_initialized():
             return _embedded
         target = address or os.environ.get("RAY_ADDRESS")
-        live, stale = local_cluster()
-        if live and target in (None, live):
-            local_token(live)
-        if target or live:
-            ray.init(address=target or live, logging_level=logging.WARNING, log_to_driver=False)
+        live, stale = (None, None) if target else local_cluster()
+        target = target or live
+        if target:
+            local_token(target)  # only where it is the local runtime's address
+            ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
             return False
         if stale:
             say(f"the Ray cluster recorded in {stale} is gone; starting a fresh local one")

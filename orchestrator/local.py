@@ -41,24 +41,23 @@ class LocalRuntimeError(OrchestratorError):
     """The local runtime cannot be started, found or stopped as asked."""
 
 
-def on_runtime() -> bool:
-    """Whether this process is connected to a cluster with a local runtime's broker."""
+def broker() -> Any | None:
+    """The local runtime's broker on the connected cluster, or None where it has none."""
     if cluster.is_embedded():
-        return False
+        return None
     try:
-        ray.get_actor(BROKER_NAME, namespace=NAMESPACE)
+        return ray.get_actor(BROKER_NAME, namespace=NAMESPACE)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def spares_for(
-    pool_name: str, pool_id: str, ranks_by_node: dict[str, list[int]]
+    runtime: Any, pool_name: str, pool_id: str, ranks_by_node: dict[str, list[int]]
 ) -> dict[int, tuple[Any, int]]:
-    """Claim warm spares of the local runtime for these ranks: {rank: (actor, pid)}.
+    """Claim warm spares from the broker `runtime` for these ranks: {rank: (actor, pid)}.
 
-    Empty where no local runtime runs, it has none ready on the ranks' node, or it
-    cannot answer (those ranks then start new actors, as anywhere else).
+    Empty where it has none ready on the ranks' node, or cannot answer (those ranks
+    then start new actors, as anywhere else).
     """
     code = code_id()
     request = ClaimRequest(
@@ -70,8 +69,7 @@ def spares_for(
         paths=_driver_paths(),
     )
     try:
-        broker = ray.get_actor(BROKER_NAME, namespace=NAMESPACE)
-        their_code, taken = ray.get(broker.claim.remote(request), timeout=60)
+        their_code, taken = ray.get(runtime.claim.remote(request), timeout=60)
     except Exception as exc:  # noqa: BLE001 - never worse than no runtime
         _say_once(f"the local runtime did not hand out warm processes ({exc}); starting new ones")
         return {}
@@ -114,7 +112,8 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
             raise LocalRuntimeError(f"the local runtime already runs at {live}")
         raise LocalRuntimeError(
             f"a Ray cluster started with `ray start` already runs here at {live}; "
-            "distribute() uses it as it is. Stop it first (`ray stop`) to start the local runtime"
+            "distribute() uses it as it is. To start the local runtime instead, stop that "
+            "`ray start` process first (by its pid)"
         )
     auth = os.environ.get("RAY_AUTH_MODE", "token")  # on unless the user turned it off
     if auth == "token":
@@ -214,11 +213,8 @@ def status() -> tuple[str, RuntimeInfo] | None:
 
 def claims() -> list[Claim]:
     """The ranks running in the connected cluster's spares (none without a local runtime)."""
-    try:
-        broker = ray.get_actor(BROKER_NAME, namespace=NAMESPACE)
-    except ValueError:
-        return []
-    return ray.get(broker.info.remote(), timeout=30).claims
+    runtime = broker()
+    return [] if runtime is None else ray.get(runtime.info.remote(), timeout=30).claims
 
 
 def cpus() -> tuple[float, float]:
@@ -229,11 +225,8 @@ def cpus() -> tuple[float, float]:
 def _runtime(address: str) -> RuntimeInfo | None:
     """The broker's state on the cluster at `address`, or None where it has none."""
     cluster.connect(address)
-    try:
-        broker = ray.get_actor(BROKER_NAME, namespace=NAMESPACE)
-    except ValueError:
-        return None
-    return ray.get(broker.info.remote(), timeout=30)
+    runtime = broker()
+    return None if runtime is None else ray.get(runtime.info.remote(), timeout=30)
 
 
 def _wait_for_head(process: subprocess.Popen, log: Path) -> str:

@@ -159,10 +159,10 @@ class Pool:
         self._slots = placement.layout(request.num_replicas, request.replicas_per_node)
         self._bundles = [bundles[slot.node_rank] for slot in self._slots]
         self._env, self._runtime_env, self._post_mortem = env, runtime_env, post_mortem
-        on_runtime = local.on_runtime()
+        runtime = local.broker()
         # On the local runtime ranks run in the script's folder, as on the embedded instance.
-        self._workdir = os.getcwd() if on_runtime else None
-        spares = self._spares(bundle_nodes) if on_runtime else {}
+        self._workdir = os.getcwd() if runtime is not None else None
+        spares = self._spares(runtime, bundle_nodes) if runtime is not None else {}
         try:
             for slot in self._slots:  # one by one: shutdown() kills those made so far
                 spare = spares.get(slot.rank)
@@ -175,7 +175,7 @@ class Pool:
         self.next_port: int = self._open_store()
         self._respec()
 
-    def _spares(self, bundle_nodes: Mapping[int, str]) -> dict[int, tuple[Any, int]]:
+    def _spares(self, runtime: Any, bundle_nodes: Mapping[int, str]) -> dict[int, tuple[Any, int]]:
         """The local runtime's warm processes for CPU-only ranks without a runtime_env."""
         job_env = ray.get_runtime_context().runtime_env  # a spare has none of the job's
         if self._runtime_env or job_env or set(self.request.per_replica()) - {"CPU"}:
@@ -183,7 +183,7 @@ class Pool:
         by_node: dict[str, list[int]] = {}
         for slot in self._slots:
             by_node.setdefault(bundle_nodes[self._bundles[slot.rank]], []).append(slot.rank)
-        return local.spares_for(self.name, self.id, by_node)
+        return local.spares_for(runtime, self.name, self.id, by_node)
 
     def _new_actor(self, rank: int, attempt: int = 0) -> Any:
         per_replica = self.request.per_replica()

@@ -11,6 +11,7 @@ owned by the runtime, not by a script.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import signal
@@ -36,6 +37,7 @@ _REFILL_QUIET_S = 3.0
 """After a claim, the broker waits this long before starting replacements (CPU for the job)."""
 
 
+@functools.cache
 def code_id() -> str:
     """Identifies the rank-side code and interpreter: a spare is used only where they match."""
     digest = hashlib.sha256(os.path.realpath(sys.executable).encode())
