@@ -6,8 +6,10 @@ import pickle
 import re
 import threading
 import time
+import uuid
+from collections import Counter
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeAlias
 
 import ray
 from ray.exceptions import RayActorError
@@ -21,9 +23,13 @@ from orchestrator.errors import (
     timeout_error,
 )
 from orchestrator.pool import Pool, StopRequested
+from workers import sharing
 from workers.capture import EXIT_STREAM
-from workers.protocol import OutputChunk, Payload, RankFailure, RankResult
+from workers.protocol import OutputChunk, Payload, RankFailure, RankResult, RankSpec
 from workers.tail import read_tail
+
+Shipment: TypeAlias = bytes | ray.ObjectRef
+"""A call's payload as the ranks get it: pickled inline, or one object in Ray's store."""
 
 _GATHER_S = 0.3
 """After the first failure, how long to keep listening for the others' (for the report)."""
@@ -39,6 +45,28 @@ _STACKS_WAIT_S = 3.0
 """How long to wait for the ranks' stacks before reporting without them."""
 
 
+def ship(payload: Payload) -> Shipment:
+    """Make `payload` ready to send to any number of ranks, now (a snapshot of its buffers).
+
+    Large payloads go into the object store once, whatever the number of ranks, and each
+    rank reads the bytes in place; small ones travel inside each task (bytes: Ray passes
+    them as they are, where it would pickle a dataclass per rank).
+    """
+    if payload.size() <= _INLINE_BYTES:
+        return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    return ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
+
+
+def _with_sharing(pool: Pool, specs: list[RankSpec], key: str) -> list[RankSpec]:
+    """Each rank's spec naming this call's copy of large buffers on its node, and its readers."""
+    nodes = [info.node_id for info in pool.infos]
+    readers = Counter(nodes)
+    return [
+        replace(spec, share_key=f"{key}-{node[:16]}", share_readers=readers[node])
+        for spec, node in zip(specs, nodes, strict=True)
+    ]
+
+
 class Call:
     """One call on every rank of a pool: ranks still running, output still owed, outcomes.
 
@@ -51,27 +79,20 @@ class Call:
     def __init__(
         self,
         pool: Pool,
-        payload: Payload,
+        shipped: Shipment,
         timeout: float | None = None,
         stop: threading.Event | None = None,
         *,
         restart_count: int = 0,
         max_restarts: int = 0,
     ) -> None:
-        """Start the shipped function on every rank of `pool`."""
+        """Start the shipped function (see `ship`) on every rank of `pool`."""
         self.pool = pool
         self.timeout = timeout
         self.stop = stop or threading.Event()
-        # Large payloads go into the object store once, whatever the number of ranks;
-        # small ones travel inside each task, which saves every rank a fetch.
-        source_size = sum(len(line) for lines in payload.sources.values() for line in lines)
-        shipped: Any
-        if len(payload.call) + source_size > _INLINE_BYTES:
-            # Out of band, each rank reads the bytes in place from the object store.
-            shipped = ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
-        else:  # bytes: Ray passes them as they are, where it would pickle a dataclass per rank
-            shipped = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        self.share_key = uuid.uuid4().hex[:16]
         specs = pool.specs_for_call(restart_count, max_restarts)
+        specs = _with_sharing(pool, specs, self.share_key)
         self.runs = {
             actor.run.remote(pickle.dumps(spec), shipped): spec.rank
             for actor, spec in zip(pool.actors, specs, strict=True)
@@ -134,6 +155,20 @@ class Call:
         broken = set(self.runs.values()) | set(self.pool.dead)
         broken |= {f.rank for f in self.failures if f.exc_type == CRASH or not is_secondary(f)}
         return broken
+
+    def forget_buffers(self) -> None:
+        """After a failed call's ranks were stopped: remove what a lost rank left in /dev/shm.
+
+        A rank killed before it mapped its node's copy of the large buffers never counts
+        itself, so the copy's name would stay; removed on each node, without waiting.
+        """
+        here = ray.get_runtime_context().get_node_id()
+        for node in {info.node_id for info in self.pool.infos}:
+            if node == here:
+                sharing.remove(self.share_key)
+            else:
+                affinity = NodeAffinitySchedulingStrategy(node, soft=False)
+                _remote_remove.options(scheduling_strategy=affinity).remote(self.share_key)
 
     def _busy(self) -> bool:
         printed, dead = self.pool.console.printed, self.pool.dead
@@ -226,6 +261,7 @@ def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFail
 
 
 _remote_read_tail = ray.remote(num_cpus=0)(read_tail)
+_remote_remove = ray.remote(num_cpus=0)(sharing.remove)
 
 
 def _show_leftovers(pool: Pool, rank: int) -> str:

@@ -33,7 +33,6 @@ from orchestrator.errors import (
 from orchestrator.job import PENDING, RUNNING, Job
 from orchestrator.logs import DEFAULT_PREFIX, Console, read_log
 from orchestrator.pool import Pool, StopRequested
-from workers.protocol import Payload
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -225,6 +224,13 @@ def _restartable(error: BaseException, options: Options, restarts: int) -> bool:
     return options.restart_on == "any" or (root is not None and root.exc_type == CRASH)
 
 
+def _forget_buffers(failed: call.Call | None) -> None:
+    """Once a failed call's ranks are stopped, remove what they may have left in /dev/shm."""
+    if failed is not None:
+        with contextlib.suppress(Exception):  # the cluster may be gone: nothing to remove
+            failed.forget_buffers()
+
+
 def _reclaim_idle(waiting: str) -> None:
     """Release this process's idle warm pools, so the waiting job `waiting` can be placed."""
     for runner in list(_runners):
@@ -281,9 +287,12 @@ class DistributedFunction(Generic[P, R]):
         busy = runner.busy_with()
         if busy is not None and not options.queue:
             raise _busy_error(self.name, busy)
-        data = shipping.payload(self.fn, args, kwargs)
+        payload = shipping.payload(self.fn, args, kwargs)
         # Connecting, and an impossible request, are settled here, in the caller's thread.
         plan = self._plan(options) if runner.pool is None else None
+        # Now, before returning: the arguments' big tensors are pickled by reference, so a
+        # caller changing them after submit() must not change what the ranks get.
+        data = call.ship(payload)
         job: Job[R] = Job(self.name, options.num_replicas, runner.stop)
         if show_in_cell:
             job.view = notebook.CellOutput(f"[{self.name}] submitted")
@@ -298,7 +307,7 @@ class DistributedFunction(Generic[P, R]):
     def _execute(
         self,
         job: Job[R],
-        data: Payload,
+        data: call.Shipment,
         options: Options,
         plan: tuple[placement.Request, bool] | None,
     ) -> None:
@@ -314,17 +323,21 @@ class DistributedFunction(Generic[P, R]):
             try:
                 value = self._attempt(job, data, options, plan, len(earlier))
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
+                failed = job.call
                 if isinstance(exc, StopRequested) or job.stop_requested.is_set():
                     runner.release()
+                    _forget_buffers(failed)
                     return
                 if _restartable(exc, options, len(earlier)):
                     earlier.append(exc)
                     job.restarted(exc)
                     if not self._repair(job, len(earlier), exc):
                         plan = None  # a whole new pool, laid out on the nodes alive now
+                    _forget_buffers(failed)
                     continue
                 # Ranks may be stuck in a collective: replace the whole pool next time.
                 runner.release()
+                _forget_buffers(failed)
                 job.pool = None
                 if earlier and isinstance(exc, OrchestratorError):
                     exc.earlier_attempts = tuple(earlier)  # type: ignore[attr-defined]
@@ -354,7 +367,7 @@ class DistributedFunction(Generic[P, R]):
     def _attempt(
         self,
         job: Job[R],
-        data: Payload,
+        data: call.Shipment,
         options: Options,
         plan: tuple[placement.Request, bool] | None,
         restart_count: int,

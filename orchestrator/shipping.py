@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import io
 import linecache
+import pickle
 import sys
 import sysconfig
 import types
@@ -16,6 +17,7 @@ import cloudpickle
 from cloudpickle import cloudpickle as _cloudpickle_impl
 
 from orchestrator.errors import ConfigError
+from workers import sharing
 from workers.protocol import Payload
 
 # Code under these folders is installed, so workers import it by reference.
@@ -26,6 +28,8 @@ _INSTALLED = tuple(
 _OURS = ("orchestrator", "workers")
 _registered: set[str] = set()
 _seen_modules = 0
+OUT_OF_BAND_BYTES = 1 << 20
+"""Tensors and arrays this big travel out of band, one copy per node (workers.sharing)."""
 
 
 def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:
@@ -36,7 +40,12 @@ def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     pickler = _Pickler(buffer)
     try:
         pickler.dump((fn, args, kwargs))
-        return Payload(call=buffer.getvalue(), sources=_sources(pickler.files))
+        return Payload(
+            call=buffer.getvalue(),
+            sources=_sources(pickler.files),
+            buffers=tuple(pickler.buffers),
+            readonly=tuple(b.raw().readonly for b in pickler.buffers),
+        )
     except Exception as exc:
         culprit = find_unpicklable(fn, args, kwargs)
         raise ConfigError(
@@ -47,11 +56,20 @@ def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
 
 
 class _Pickler(cloudpickle.Pickler):
-    """Keeps the file names of code shipped by value (cloudpickle drops them)."""
+    """Keeps the file names of code shipped by value (cloudpickle drops them), and big
+    CPU tensors' and arrays' bytes out of band, as they are, with no copy."""
 
     def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file)
+        super().__init__(file, protocol=5, buffer_callback=self._out_of_band)
         self.files: set[str] = set()
+        self.buffers: list[pickle.PickleBuffer] = []
+        self._storages: dict[tuple[int, int, Any], tuple[Any, ...]] = {}
+
+    def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes < OUT_OF_BAND_BYTES:
+            return True  # in band: small ones cost less inside the pickle
+        self.buffers.append(buffer)
+        return False
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, types.CodeType) and hasattr(_cloudpickle_impl, "_code_reduce"):
@@ -59,7 +77,28 @@ class _Pickler(cloudpickle.Pickler):
             rebuild, args = _cloudpickle_impl._code_reduce(obj)
             args = tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
             return rebuild, args
+        if "torch" in sys.modules:
+            reduced = self._reduce_storage(obj, sys.modules["torch"])
+            if reduced is not None:
+                return reduced
         return super().reducer_override(obj)
+
+    def _reduce_storage(self, obj: Any, torch: Any) -> tuple[Any, tuple[Any, ...]] | None:
+        """A big CPU storage as its raw bytes (torch would copy them into a torch.save)."""
+        typed = isinstance(obj, torch.storage.TypedStorage)
+        if not typed and not isinstance(obj, torch.UntypedStorage):
+            return None
+        untyped = obj._untyped_storage if typed else obj
+        if untyped.device.type != "cpu" or untyped.nbytes() < OUT_OF_BAND_BYTES:
+            return None
+        dtype = obj.dtype if typed else None
+        key = (untyped.data_ptr(), untyped.nbytes(), dtype)
+        if key not in self._storages:  # the same args object: views keep sharing memory
+            raw = torch.empty(0, dtype=torch.uint8).set_(untyped).numpy()
+            buffer = pickle.PickleBuffer(raw)
+            self._storages[key] = (buffer, dtype) if typed else (buffer,)
+        rebuild = sharing.typed_storage if typed else sharing.untyped_storage
+        return rebuild, self._storages[key]
 
 
 def _sources(files: set[str]) -> dict[str, list[str]]:

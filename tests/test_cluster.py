@@ -483,6 +483,38 @@ def test_large_closure_travels_through_the_object_store(cluster):
         assert fn() == [expected, expected]  # the driver's tensor is untouched
 
 
+def test_big_tensors_shared_per_node_until_written_and_snapshotted_at_submit(cluster):
+    import torch
+    import torch.distributed as dist
+
+    from workers import sharing
+
+    table = torch.arange(1 << 20, dtype=torch.float64)  # 8 MB in the closure
+
+    def write_then_read(step: torch.Tensor) -> dict:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        with open("/proc/self/maps") as maps:
+            mapped = "orchestrator-buffers" in maps.read()
+        untouched = float(table[rank]) == rank and float(step[1]) == 1.0
+        table[rank] = -1.0  # in place: must not reach the other ranks of this node
+        dist.barrier()
+        others = [float(table[r]) for r in range(4) if r != rank]
+        dist.destroy_process_group()
+        return {"mapped": mapped, "untouched": untouched, "others": others}
+
+    with distribute(write_then_read, num_replicas=4, replicas_per_node=2) as fn:
+        step = torch.arange(1 << 19, dtype=torch.float64)  # 4 MB argument
+        job = fn.submit(step)
+        step.fill_(-5.0)  # after submit: the ranks still get what was submitted
+        results = job.result(timeout=120)
+    assert [r["mapped"] for r in results] == [True] * 4  # one copy per node, mapped
+    assert [r["untouched"] for r in results] == [True] * 4
+    assert all(r["others"] == [float(x) for x in range(4) if x != i] for i, r in enumerate(results))
+    assert float(table[0]) == 0.0
+    assert list(sharing.SHM.glob(f"{sharing.PREFIX}*")) == []
+
+
 def test_interrupting_the_driver_stops_every_rank(cluster):
     import threading
 

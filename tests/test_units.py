@@ -19,7 +19,7 @@ from orchestrator import (
     placement,
     shipping,
 )
-from workers import environment
+from workers import environment, sharing
 from workers.protocol import RankFailure, RankSpec
 
 
@@ -244,3 +244,65 @@ def test_local_modules_ship_by_value_installed_ones_by_reference():
     assert not shipping.is_local(os)
     assert not shipping.is_local(pytest)
     assert not shipping.is_local(orchestrator)
+
+
+def _ship_and_load(value: object, readers: int, key: str) -> list[object]:
+    """`value` pickled as the driver does, then loaded `readers` times as ranks on one node."""
+    data = shipping.payload(lambda: value, (), {})
+    loaded = []
+    for _ in range(readers):
+        buffers = sharing.private_buffers(data.buffers, data.readonly, key, readers)
+        fn, _, _ = cloudpickle.loads(data.call, buffers=buffers)
+        loaded.append(fn())
+    return loaded
+
+
+def _leftovers(key: str) -> list[str]:
+    return [p.name for p in sharing.SHM.glob(f"{sharing.PREFIX}{key}*")]
+
+
+@pytest.mark.skipif(not sharing.SHM.is_dir(), reason="no /dev/shm on this system")
+def test_big_tensors_go_out_of_band_once_per_node_and_copy_on_write():
+    import numpy as np
+    import torch
+
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MB: out of band
+    frozen = np.ones(1 << 18)  # 2 MB
+    frozen.flags.writeable = False
+    value = {"big": big, "view": big[10:20], "frozen": frozen, "small": torch.ones(8)}
+    data = shipping.payload(lambda: value, (), {})
+    assert [b.raw().nbytes for b in data.buffers] == [4 << 20, 2 << 20]  # the view shares
+    assert data.readonly == (False, True)
+    assert len(data.call) < 10_000  # the bytes themselves are not in the pickle
+
+    key = f"test-{os.getpid()}"
+    ranks = _ship_and_load(value, readers=3, key=key)
+    assert _leftovers(key) == []  # the third reader removed the name
+    for copy in ranks:
+        assert torch.equal(copy["big"], big) and torch.equal(copy["small"], torch.ones(8))
+        assert copy["view"].untyped_storage().data_ptr() == copy["big"].untyped_storage().data_ptr()
+        assert not copy["frozen"].flags.writeable
+    ranks[0]["big"][0] = -1.0  # copy-on-write: the other readers' pages are untouched
+    ranks[1]["view"][0] = -2.0
+    assert float(ranks[0]["big"][0]) == -1.0 and float(ranks[2]["big"][0]) == 0.0
+    assert float(ranks[1]["big"][10]) == -2.0 and float(ranks[2]["big"][10]) == 10.0
+    assert float(big[0]) == 0.0 and float(big[10]) == 10.0
+
+
+@pytest.mark.skipif(not sharing.SHM.is_dir(), reason="no /dev/shm on this system")
+def test_shared_copy_falls_back_to_private_copies_and_removes_stale_files(monkeypatch):
+    import torch
+
+    stale = sharing.SHM / f"{sharing.PREFIX}test-stale-{os.getpid()}"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 2 * 3600,) * 2)
+    big = torch.arange(1 << 19, dtype=torch.float64)
+    monkeypatch.setattr(sharing, "_KEEP_FREE", 1.0)  # as if /dev/shm were full
+    key = f"test-full-{os.getpid()}"
+    ranks = _ship_and_load(big, readers=2, key=key)
+    assert all(torch.equal(copy, big) for copy in ranks)
+    ranks[0][0] = 5.0
+    assert float(ranks[1][0]) == 0.0
+    assert _leftovers(key) == [] and not stale.exists()
+    assert _ship_and_load(big, readers=1, key=key)[0].sum() == big.sum()  # alone: own copy
+    assert _leftovers(key) == []

@@ -14,7 +14,7 @@ from typing import Any
 import cloudpickle
 import ray
 
-from workers import debugger, environment, stacks
+from workers import debugger, environment, sharing, stacks
 from workers.capture import Capture
 from workers.protocol import NodeInfo, OutputChunk, Payload, RankFailure, RankResult, RankSpec
 from workers.tail import tail_path
@@ -96,11 +96,16 @@ class RankActor:
             # The previous call's store lived until now: peers may have used it to the end.
             self._store, self._next_store = self._next_store, None
         try:
+            # First: every rank of this node must count itself as a reader (see sharing).
+            buffers = sharing.private_buffers(
+                payload.buffers, payload.readonly, spec.share_key, spec.share_readers
+            )
             environment.apply(spec)
             for name, lines in payload.sources.items():
                 # mtime None: linecache keeps the entry even where no such file exists.
                 linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-            fn, args, kwargs = cloudpickle.loads(payload.call)
+            fn, args, kwargs = cloudpickle.loads(payload.call, buffers=buffers)
+            del payload, buffers  # the object store's copy can go once the driver drops it
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return self._failure(exc, time.time(), setup=True)
         try:

@@ -49,6 +49,10 @@ class RankSpec:
     max_restarts: int = 0
     workdir: str | None = None
     """Where the rank runs, when it runs on the driver's machine (the local runtime)."""
+    share_key: str = ""
+    """Names this call's node-wide copy of the payload's large buffers (workers.sharing)."""
+    share_readers: int = 1
+    """How many ranks of this call run on this rank's Ray node and read that copy."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,15 @@ class Payload:
     """`(fn, args, kwargs)`, cloudpickled (a PickleBuffer, read in place, when large)."""
     sources: dict[str, list[str]]
     """Source lines of the code shipped by value, by file name, for tracebacks."""
+    buffers: tuple[pickle.PickleBuffer, ...] = ()
+    """The big tensors' and arrays' bytes, out of band: `call` is unpickled with them."""
+    readonly: tuple[bool, ...] = ()
+    """For each of `buffers`, whether its object was read-only (a numpy array can be)."""
+
+    def size(self) -> int:
+        """Bytes in all: the call, its sources and its buffers."""
+        sources = sum(len(line) for lines in self.sources.values() for line in lines)
+        return memoryview(self.call).nbytes + sources + sum(b.raw().nbytes for b in self.buffers)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,139 @@
+"""A call's large buffers: one copy per node, which each rank maps copy-on-write.
+
+Tensors and arrays of at least a megabyte travel beside the pickled function, out of
+band, and reach a rank as bytes in Ray's object store. Every rank must get a private,
+writable copy (a rank writing in place must not change its neighbours' tensors). Eight
+ranks copying 200 MB each is slow and uses eight times the memory; instead, the first
+rank of a call on a node writes the bytes once to a file in /dev/shm, and every rank of
+that node maps the file privately (MAP_PRIVATE): reading costs nothing, and a page is
+copied only for the rank that writes to it. The last rank to map the file removes its
+name; the memory goes when the last mapping does. Where /dev/shm is missing or too
+full, or a rank is alone on its node, each rank copies the bytes itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import struct
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SHM = Path("/dev/shm")  # noqa: S108 - names hold a random key, files are 0600, no symlinks
+PREFIX = "orchestrator-buffers-"
+"""Every file this module creates starts so, followed by the call's key."""
+_HEADER = struct.Struct("<qq")
+"""At the file's start: how many readers have mapped it, and whether it holds the data."""
+_STALE_S = 3600.0
+"""A file this old lost a reader (a rank killed while loading): anyone may remove it."""
+_KEEP_FREE = 0.1
+"""Leave at least this share of /dev/shm free (Ray's object store may live there too)."""
+
+
+def typed_storage(buffer: Any, dtype: Any) -> Any:
+    """A torch TypedStorage over `buffer`'s memory, without a copy (unpickling helper)."""
+    import torch
+
+    untyped = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def untyped_storage(buffer: Any) -> Any:
+    """A torch UntypedStorage over `buffer`'s memory, without a copy (unpickling helper)."""
+    import torch
+
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def private_buffers(
+    views: Sequence[Any], readonly: Sequence[bool], key: str, readers: int
+) -> list[Any]:
+    """Private copies of `views` for this rank, shared on this node until written.
+
+    `key` names this call on this node and `readers` is how many ranks of the call run
+    here: each must call this exactly once, so the last one can remove the file's name.
+    """
+    if not views:
+        return []
+    copies: list[Any] | None = None
+    if readers > 1 and SHM.is_dir():
+        with contextlib.suppress(OSError):  # no shared copy: each rank copies for itself
+            copies = _map_shared([memoryview(v).cast("B") for v in views], key, readers)
+    if copies is None:
+        copies = [bytearray(memoryview(v).cast("B")) for v in views]
+    return [memoryview(c).toreadonly() if ro else c for c, ro in zip(copies, readonly, strict=True)]
+
+
+def remove(key_prefix: str) -> None:
+    """Remove the files of every call whose key starts with `key_prefix` (after a failure)."""
+    for path in SHM.glob(f"{PREFIX}{key_prefix}*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _map_shared(views: list[memoryview], key: str, readers: int) -> list[mmap.mmap] | None:
+    """Map this node's copy of `views`, writing it first if no rank has; None: no room."""
+    offsets, end = _layout([v.nbytes for v in views])
+    path = SHM / f"{PREFIX}{key}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        header = os.pread(fd, _HEADER.size, 0)
+        count, filled = _HEADER.unpack(header) if len(header) == _HEADER.size else (0, 0)
+        if count == 0:
+            _remove_stale()
+            filled = _fill(fd, views, offsets, end)
+        count += 1
+        os.pwrite(fd, _HEADER.pack(count, filled), 0)
+        if count >= readers:
+            path.unlink()
+        if not filled:
+            return None
+        return [
+            mmap.mmap(fd, v.nbytes, offset=offset, access=mmap.ACCESS_COPY)
+            for v, offset in zip(views, offsets, strict=True)
+        ]
+    finally:  # unlock first: the maps hold duplicates of `fd`, which would keep the lock
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of each buffer in the file (after a header page, aligned for mmap); its end."""
+    grain = mmap.ALLOCATIONGRANULARITY
+    offsets, end = [], grain
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // grain) * grain
+    return offsets, end
+
+
+def _fill(fd: int, views: list[memoryview], offsets: list[int], end: int) -> int:
+    """Write the buffers at their offsets; 0 where /dev/shm has no room to spare."""
+    stats = os.statvfs(SHM)
+    free, size = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+    if free - end < _KEEP_FREE * size:
+        return 0
+    try:
+        os.ftruncate(fd, end)
+        for view, offset in zip(views, offsets, strict=True):
+            done = 0
+            while done < view.nbytes:
+                done += os.pwrite(fd, view[done:], offset + done)
+    except OSError:  # full after all: give the memory back, every rank copies instead
+        os.ftruncate(fd, _HEADER.size)
+        return 0
+    return 1
+
+
+def _remove_stale() -> None:
+    """Remove files that lost a reader long ago (their ranks were killed while loading)."""
+    cutoff = time.time() - _STALE_S
+    for path in SHM.glob(f"{PREFIX}*"):
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
