@@ -75,7 +75,7 @@ def remove(key_prefix: str) -> None:
             path.unlink()
 
 
-def _map_shared(views: list[memoryview], key: str, readers: int) -> list[mmap.mmap] | None:
+def _map_shared(views: list[memoryview], key: str, readers: int) -> list[memoryview] | None:
     """Map this node's copy of `views`, writing it first if no rank has; None: no room."""
     offsets, end = _layout([v.nbytes for v in views])
     path = SHM / f"{PREFIX}{key}"
@@ -93,10 +93,9 @@ def _map_shared(views: list[memoryview], key: str, readers: int) -> list[mmap.mm
             path.unlink()
         if not filled:
             return None
-        return [
-            mmap.mmap(fd, v.nbytes, offset=offset, access=mmap.ACCESS_COPY)
-            for v, offset in zip(views, offsets, strict=True)
-        ]
+        # One map for all (each map holds a file descriptor open while it lives).
+        whole = memoryview(mmap.mmap(fd, end, access=mmap.ACCESS_COPY))
+        return [whole[o : o + v.nbytes] for v, o in zip(views, offsets, strict=True)]
     finally:  # unlock first: the maps hold duplicates of `fd`, which would keep the lock
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
