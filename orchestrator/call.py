@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
 import threading
@@ -43,6 +44,8 @@ _LEFTOVER_WAIT_S = 0.5
 """How long to wait for a dead rank's keeper process to save its unread output."""
 _STACKS_WAIT_S = 3.0
 """How long to wait for the ranks' stacks before reporting without them."""
+_FORGET_WAIT_S = 5.0
+"""After a failure, how long to wait for stopped ranks to be gone before cleaning up."""
 
 
 def ship(payload: Payload) -> Shipment:
@@ -91,6 +94,7 @@ class Call:
         self.timeout = timeout
         self.stop = stop or threading.Event()
         self.share_key = uuid.uuid4().hex[:16]
+        self.share_nodes = {info.node_id for info in pool.infos}
         specs = pool.specs_for_call(restart_count, max_restarts)
         specs = _with_sharing(pool, specs, self.share_key)
         self.runs = {
@@ -157,18 +161,28 @@ class Call:
         return broken
 
     def forget_buffers(self) -> None:
-        """After a failed call's ranks were stopped: remove what a lost rank left in /dev/shm.
+        """After a failed call's ranks were told to stop: remove what they left in /dev/shm.
 
-        A rank killed before it mapped its node's copy of the large buffers never counts
-        itself, so the copy's name would stay; removed on each node, without waiting.
+        A rank stopped before it mapped its node's copy of the large buffers never counts
+        itself, so the copy's name would stay. In the background: first the ranks still
+        running are given a moment to be gone (a rank killed is not gone at once).
         """
-        here = ray.get_runtime_context().get_node_id()
-        for node in {info.node_id for info in self.pool.infos}:
-            if node == here:
-                sharing.remove(self.share_key)
-            else:
-                affinity = NodeAffinitySchedulingStrategy(node, soft=False)
-                _remote_remove.options(scheduling_strategy=affinity).remote(self.share_key)
+        pending = list(self.runs)
+
+        def forget() -> None:
+            with contextlib.suppress(Exception):  # Ray shut down meanwhile: the sweep remains
+                if pending:
+                    ray.wait(pending, num_returns=len(pending), timeout=_FORGET_WAIT_S)
+                here = ray.get_runtime_context().get_node_id()
+                for node in self.share_nodes:
+                    if node == here:
+                        sharing.remove(self.share_key)
+                    else:
+                        affinity = NodeAffinitySchedulingStrategy(node, soft=False)
+                        remote = _remote_remove.options(scheduling_strategy=affinity)
+                        remote.remote(self.share_key)
+
+        threading.Thread(target=forget, name="forget buffers", daemon=True).start()
 
     def _busy(self) -> bool:
         printed, dead = self.pool.console.printed, self.pool.dead

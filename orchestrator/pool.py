@@ -33,6 +33,10 @@ _POLL_S = 0.2
 """How often a wait for placement or for actors checks for a stop request."""
 
 
+_READ_ON_IMPORT = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "CUDA", "NCCL", "LD_")
+"""Variables that torch or the libraries it loads may read only when imported."""
+
+
 class StopRequested(Exception):
     """The job was cancelled while this thread waited for it."""
 
@@ -180,6 +184,8 @@ class Pool:
         job_env = ray.get_runtime_context().runtime_env  # a spare has none of the job's
         if self._runtime_env or job_env or set(self.request.per_replica()) - {"CPU"}:
             return {}
+        if any(name.startswith(_READ_ON_IMPORT) for name in self._env):
+            return {}  # a spare imported torch before it knew them
         by_node: dict[str, list[int]] = {}
         for slot in self._slots:
             by_node.setdefault(bundle_nodes[self._bundles[slot.rank]], []).append(slot.rank)
@@ -198,7 +204,7 @@ class Pool:
             runtime_env=dict(self._runtime_env) if self._runtime_env else None,
             name=actor_name(self.name, self.id, rank, attempt),
             namespace=ACTOR_NAMESPACE,
-        ).remote(self.name, rank)
+        ).remote(self.name, rank, dict(self._env))
 
     def _infos(self, ranks: Iterable[int]) -> list[NodeInfo]:
         infos: list[NodeInfo] = self._get([self.actors[rank].info.remote() for rank in ranks])

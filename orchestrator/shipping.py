@@ -64,6 +64,7 @@ class _Pickler(cloudpickle.Pickler):
         self.files: set[str] = set()
         self.buffers: list[pickle.PickleBuffer] = []
         self._storages: dict[tuple[int, int, Any], tuple[Any, ...]] = {}
+        self._raw: dict[tuple[int, int], tuple[pickle.PickleBuffer]] = {}
 
     def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
         if buffer.raw().nbytes < OUT_OF_BAND_BYTES:
@@ -92,11 +93,13 @@ class _Pickler(cloudpickle.Pickler):
         if untyped.device.type != "cpu" or untyped.nbytes() < OUT_OF_BAND_BYTES:
             return None
         dtype = obj.dtype if typed else None
-        key = (untyped.data_ptr(), untyped.nbytes(), dtype)
-        if key not in self._storages:  # the same args object: views keep sharing memory
+        where = (untyped.data_ptr(), untyped.nbytes())
+        if where not in self._raw:  # one tuple, pickled once: every view maps the same bytes
             raw = torch.empty(0, dtype=torch.uint8).set_(untyped).numpy()
-            buffer = pickle.PickleBuffer(raw)
-            self._storages[key] = (buffer, dtype) if typed else (buffer,)
+            self._raw[where] = (pickle.PickleBuffer(raw),)
+        key = (*where, dtype)
+        if key not in self._storages:  # the same args object: one storage per dtype
+            self._storages[key] = (self._raw[where], dtype) if typed else (self._raw[where],)
         rebuild = sharing.typed_storage if typed else sharing.untyped_storage
         return rebuild, self._storages[key]
 

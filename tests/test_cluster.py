@@ -515,6 +515,17 @@ def test_big_tensors_shared_per_node_until_written_and_snapshotted_at_submit(clu
     assert list(sharing.SHM.glob(f"{sharing.PREFIX}*")) == []
 
 
+def test_env_is_set_before_torch_is_imported(cluster):
+    def debug_level() -> str:
+        import torch.distributed as dist
+
+        return str(dist.get_debug_level())  # read from the environment on import only
+
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    with distribute(debug_level, num_replicas=2, replicas_per_node=1, env=env) as fn:
+        assert fn() == ["DebugLevel.DETAIL"] * 2
+
+
 def test_interrupting_the_driver_stops_every_rank(cluster):
     import threading
 

@@ -269,7 +269,13 @@ def test_big_tensors_go_out_of_band_once_per_node_and_copy_on_write():
     big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MB: out of band
     frozen = np.ones(1 << 18)  # 2 MB
     frozen.flags.writeable = False
-    value = {"big": big, "view": big[10:20], "frozen": frozen, "small": torch.ones(8)}
+    value = {
+        "big": big,
+        "view": big[10:20],
+        "bits": big.view(torch.int32),  # another dtype over the same bytes
+        "frozen": frozen,
+        "small": torch.ones(8),
+    }
     data = shipping.payload(lambda: value, (), {})
     assert [b.raw().nbytes for b in data.buffers] == [4 << 20, 2 << 20]  # the view shares
     assert data.readonly == (False, True)
@@ -280,7 +286,9 @@ def test_big_tensors_go_out_of_band_once_per_node_and_copy_on_write():
     assert _leftovers(key) == []  # the third reader removed the name
     for copy in ranks:
         assert torch.equal(copy["big"], big) and torch.equal(copy["small"], torch.ones(8))
-        assert copy["view"].untyped_storage().data_ptr() == copy["big"].untyped_storage().data_ptr()
+        where = copy["big"].untyped_storage().data_ptr()
+        assert copy["view"].untyped_storage().data_ptr() == where
+        assert copy["bits"].untyped_storage().data_ptr() == where
         assert not copy["frozen"].flags.writeable
     ranks[0]["big"][0] = -1.0  # copy-on-write: the other readers' pages are untouched
     ranks[1]["view"][0] = -2.0
@@ -297,7 +305,7 @@ def test_shared_copy_falls_back_to_private_copies_and_removes_stale_files(monkey
     stale.write_bytes(b"x")
     os.utime(stale, (time.time() - 2 * 3600,) * 2)
     big = torch.arange(1 << 19, dtype=torch.float64)
-    monkeypatch.setattr(sharing, "_KEEP_FREE", 1.0)  # as if /dev/shm were full
+    monkeypatch.setattr(sharing, "_MIN_LEFT", 1 << 60)  # as if /dev/shm were full
     key = f"test-full-{os.getpid()}"
     ranks = _ship_and_load(big, readers=2, key=key)
     assert all(torch.equal(copy, big) for copy in ranks)
@@ -306,3 +314,10 @@ def test_shared_copy_falls_back_to_private_copies_and_removes_stale_files(monkey
     assert _leftovers(key) == [] and not stale.exists()
     assert _ship_and_load(big, readers=1, key=key)[0].sum() == big.sum()  # alone: own copy
     assert _leftovers(key) == []
+    # After a failed call, the driver removes that call's files, and only those.
+    mine, other = (sharing.SHM / f"{sharing.PREFIX}{k}-{os.getpid()}-n" for k in ("t1", "t2"))
+    mine.write_bytes(b"x")
+    other.write_bytes(b"x")
+    sharing.remove("t1")
+    assert not mine.exists() and other.exists()
+    other.unlink()

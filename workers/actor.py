@@ -27,12 +27,14 @@ CONCURRENCY_GROUPS = {"control": 4}
 class RankActor:
     """One rank of a distributed function; stays alive between calls (the warm pool)."""
 
-    def __init__(self, job_name: str, rank: int) -> None:
+    def __init__(self, job_name: str, rank: int, env: dict[str, str] | None = None) -> None:
         """Remember who this actor is, and start importing torch in the background.
 
         The import (a second or more of CPU) then overlaps the pool's other start-up
-        work and the other ranks' imports, instead of waiting for the first call.
+        work and the other ranks' imports, instead of waiting for the first call. The
+        user's `env` is set first: torch reads some variables only on import.
         """
+        os.environ.update(env or {})
         self._label = f"{job_name} r{rank}"
         self._rank = rank
         self._local_rank = 0
@@ -41,6 +43,7 @@ class RankActor:
         self._next_store: Any = None
         self._capture = Capture()
         threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
+        sharing.remove("", older_than=sharing.STALE_S)  # what killed ranks may have left here
 
     def __repr__(self) -> str:
         """Ray prefixes this actor's log lines with its repr."""
@@ -103,15 +106,17 @@ class RankActor:
             self._store, self._next_store = self._next_store, None
         try:
             # First: every rank of this node must count itself as a reader (see sharing).
+            shared = spec.env.get(sharing.SWITCH, os.environ.get(sharing.SWITCH)) != "0"
+            readers = spec.share_readers if shared else 1
             buffers = sharing.private_buffers(
-                payload.buffers, payload.readonly, spec.share_key, spec.share_readers
+                payload.buffers, payload.readonly, spec.share_key, readers
             )
             environment.apply(spec)
             for name, lines in payload.sources.items():
                 # mtime None: linecache keeps the entry even where no such file exists.
                 linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
             fn, args, kwargs = cloudpickle.loads(payload.call, buffers=buffers)
-            del payload, buffers  # the object store's copy can go once the driver drops it
+            del payload, buffers  # this rank holds no reference to the object store's copy
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return self._failure(exc, time.time(), setup=True)
         try:

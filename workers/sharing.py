@@ -7,8 +7,9 @@ ranks copying 200 MB each is slow and uses eight times the memory; instead, the 
 rank of a call on a node writes the bytes once to a file in /dev/shm, and every rank of
 that node maps the file privately (MAP_PRIVATE): reading costs nothing, and a page is
 copied only for the rank that writes to it. The last rank to map the file removes its
-name; the memory goes when the last mapping does. Where /dev/shm is missing or too
-full, or a rank is alone on its node, each rank copies the bytes itself.
+name; the memory goes when the last mapping does. Where /dev/shm is missing or small,
+where `ORCHESTRATOR_SHARED_BUFFERS=0`, or where a rank is alone on its node, each rank
+copies the bytes itself. Storages over a shared copy cannot grow (`resize_`).
 """
 
 from __future__ import annotations
@@ -26,27 +27,34 @@ from typing import Any
 SHM = Path("/dev/shm")  # noqa: S108 - names hold a random key, files are 0600, no symlinks
 PREFIX = "orchestrator-buffers-"
 """Every file this module creates starts so, followed by the call's key."""
+SWITCH = "ORCHESTRATOR_SHARED_BUFFERS"
+"""Set to 0 in a rank's environment (`env=`) for private copies only, no /dev/shm."""
 _HEADER = struct.Struct("<qq")
 """At the file's start: how many readers have mapped it, and whether it holds the data."""
-_STALE_S = 3600.0
-"""A file this old lost a reader (a rank killed while loading): anyone may remove it."""
-_KEEP_FREE = 0.1
-"""Leave at least this share of /dev/shm free (Ray's object store may live there too)."""
+STALE_S = 600.0
+"""A file untouched this long lost a reader (a rank killed while loading): remove it.
+
+Its readers touch it only while they arrive, within moments of each other."""
+_MAX_SHARE = 0.2
+"""Use at most this share of /dev/shm's free space: Ray's object store, DataLoader
+workers and NCCL may need /dev/shm too, and Ray's reservation does not show as used."""
+_MIN_LEFT = 1 << 30
+"""And leave at least this much free (a small /dev/shm, as Docker's, is never used)."""
 
 
-def typed_storage(buffer: Any, dtype: Any) -> Any:
-    """A torch TypedStorage over `buffer`'s memory, without a copy (unpickling helper)."""
+def typed_storage(holder: tuple[Any], dtype: Any) -> Any:
+    """A torch TypedStorage over `holder[0]`'s memory, without a copy (unpickling helper)."""
     import torch
 
-    untyped = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    untyped = untyped_storage(holder)
     return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
-def untyped_storage(buffer: Any) -> Any:
-    """A torch UntypedStorage over `buffer`'s memory, without a copy (unpickling helper)."""
+def untyped_storage(holder: tuple[Any]) -> Any:
+    """A torch UntypedStorage over `holder[0]`'s memory, without a copy (unpickling helper)."""
     import torch
 
-    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    return torch.frombuffer(holder[0], dtype=torch.uint8).untyped_storage()
 
 
 def private_buffers(
@@ -61,18 +69,20 @@ def private_buffers(
         return []
     copies: list[Any] | None = None
     if readers > 1 and SHM.is_dir():
-        with contextlib.suppress(OSError):  # no shared copy: each rank copies for itself
+        with contextlib.suppress(Exception):  # no shared copy: each rank copies for itself
             copies = _map_shared([memoryview(v).cast("B") for v in views], key, readers)
     if copies is None:
         copies = [bytearray(memoryview(v).cast("B")) for v in views]
     return [memoryview(c).toreadonly() if ro else c for c, ro in zip(copies, readonly, strict=True)]
 
 
-def remove(key_prefix: str) -> None:
-    """Remove the files of every call whose key starts with `key_prefix` (after a failure)."""
+def remove(key_prefix: str, older_than: float = 0.0) -> None:
+    """Remove the files of calls whose key starts with `key_prefix`, untouched that long."""
+    cutoff = time.time() - older_than
     for path in SHM.glob(f"{PREFIX}{key_prefix}*"):
         with contextlib.suppress(OSError):
-            path.unlink()
+            if not older_than or path.stat().st_mtime < cutoff:
+                path.unlink()
 
 
 def _map_shared(views: list[memoryview], key: str, readers: int) -> list[memoryview] | None:
@@ -85,7 +95,7 @@ def _map_shared(views: list[memoryview], key: str, readers: int) -> list[memoryv
         header = os.pread(fd, _HEADER.size, 0)
         count, filled = _HEADER.unpack(header) if len(header) == _HEADER.size else (0, 0)
         if count == 0:
-            _remove_stale()
+            remove("", older_than=STALE_S)
             filled = _fill(fd, views, offsets, end)
         count += 1
         os.pwrite(fd, _HEADER.pack(count, filled), 0)
@@ -114,8 +124,8 @@ def _layout(sizes: list[int]) -> tuple[list[int], int]:
 def _fill(fd: int, views: list[memoryview], offsets: list[int], end: int) -> int:
     """Write the buffers at their offsets; 0 where /dev/shm has no room to spare."""
     stats = os.statvfs(SHM)
-    free, size = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
-    if free - end < _KEEP_FREE * size:
+    free = stats.f_bavail * stats.f_frsize
+    if end > _MAX_SHARE * free or free - end < _MIN_LEFT:
         return 0
     try:
         os.ftruncate(fd, end)
@@ -127,12 +137,3 @@ def _fill(fd: int, views: list[memoryview], offsets: list[int], end: int) -> int
         os.ftruncate(fd, _HEADER.size)
         return 0
     return 1
-
-
-def _remove_stale() -> None:
-    """Remove files that lost a reader long ago (their ranks were killed while loading)."""
-    cutoff = time.time() - _STALE_S
-    for path in SHM.glob(f"{PREFIX}*"):
-        with contextlib.suppress(OSError):
-            if path.stat().st_mtime < cutoff:
-                path.unlink()
