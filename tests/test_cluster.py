@@ -515,6 +515,39 @@ def test_big_tensors_shared_per_node_until_written_and_snapshotted_at_submit(clu
     assert list(sharing.SHM.glob(f"{sharing.PREFIX}*")) == []
 
 
+def test_a_failed_call_removes_what_its_ranks_left_in_shm(cluster, tmp_path):
+    import torch
+
+    from workers import sharing
+
+    table = torch.ones(1 << 20)  # 4 MB: shared through /dev/shm by the two ranks
+    go = tmp_path / "go"
+
+    def fail_when_told() -> None:
+        while not go.exists():
+            time.sleep(0.05)
+        if os.environ["RANK"] == "1":
+            raise ValueError(f"rank 1 fails ({float(table.sum()):g})")
+        time.sleep(60)  # rank 0 is stopped with the pool
+
+    with distribute(fail_when_told, num_replicas=2, replicas_per_node=2) as fn:
+        job = fn.submit()
+        deadline = time.monotonic() + 60
+        while job.call is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # As a rank killed before it counted itself would leave it:
+        left = sharing.SHM / f"{sharing.PREFIX}{job.call.share_key}-lost"
+        left.write_bytes(b"x")
+        go.touch()
+        with pytest.raises(DistributedError, match="rank 1 fails"):
+            job.result(timeout=60)
+    deadline = time.monotonic() + 15
+    while left.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left.exists()
+    assert list(sharing.SHM.glob(f"{sharing.PREFIX}{job.call.share_key}*")) == []
+
+
 def test_env_is_set_before_torch_is_imported(cluster):
     def debug_level() -> str:
         import torch.distributed as dist
