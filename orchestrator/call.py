@@ -60,9 +60,9 @@ def ship(payload: Payload) -> Shipment:
     return ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
 
 
-def _with_sharing(pool: Pool, specs: list[RankSpec], key: str) -> list[RankSpec]:
-    """Each rank's spec naming this call's copy of large buffers on its node, and its readers."""
-    nodes = [info.node_id for info in pool.infos]
+def _with_sharing(specs: list[RankSpec], nodes: list[str], key: str) -> list[RankSpec]:
+    """Each rank's spec naming this call's copy of large buffers on its node (`nodes`, by
+    rank), and how many ranks read it there."""
     readers = Counter(nodes)
     return [
         replace(spec, share_key=f"{key}-{node[:16]}", share_readers=readers[node])
@@ -94,9 +94,10 @@ class Call:
         self.timeout = timeout
         self.stop = stop or threading.Event()
         self.share_key = uuid.uuid4().hex[:16]
-        self.share_nodes = {info.node_id for info in pool.infos}
+        nodes = [info.node_id for info in pool.infos]
+        self.share_nodes = set(nodes)
         specs = pool.specs_for_call(restart_count, max_restarts)
-        specs = _with_sharing(pool, specs, self.share_key)
+        specs = _with_sharing(specs, nodes, self.share_key)
         self.runs = {
             actor.run.remote(pickle.dumps(spec), shipped): spec.rank
             for actor, spec in zip(pool.actors, specs, strict=True)
