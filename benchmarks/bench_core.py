@@ -266,6 +266,14 @@ def clean_env(ray_tmpdir: str | None = None) -> dict[str, str]:
     return env
 
 
+def machine_cpu_s() -> float:
+    """CPU time every process on this machine has used since boot (from /proc/stat)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(x) for x in stat.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = ticks
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Launch:
     """One finished subprocess: wall time, peak RSS of the process itself, its exit code."""
@@ -276,12 +284,15 @@ class Launch:
     started: float
     """time.time() just before the process was started."""
     output: str
+    cpu_s: float
+    """CPU time the whole machine used meanwhile: the run's processes, their daemons, us."""
 
 
 def launch(argv: list[str], env: dict[str, str], timeout: float = 300) -> Launch:
     """Run `argv` in its own process group, polling its peak RSS; kill the group on timeout."""
     with tempfile.TemporaryFile() as log:
         started = time.time()
+        cpu0 = machine_cpu_s()
         t0 = time.perf_counter()
         proc = subprocess.Popen(
             argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -299,9 +310,10 @@ def launch(argv: list[str], env: dict[str, str], timeout: float = 300) -> Launch
             proc.wait()
             raise
         wall = time.perf_counter() - t0
+        cpu = machine_cpu_s() - cpu0
         log.seek(0)
         output = log.read().decode(errors="replace")
-    return Launch(wall, peak, proc.returncode, started, output)
+    return Launch(wall, peak, proc.returncode, started, output, cpu)
 
 
 TORCHRUN_TRIES = 3
@@ -461,6 +473,7 @@ def _cold_ours(env: dict[str, str]) -> dict[str, float]:
         "pool + 1st call": data["result_at"] - data["ray_up"],
         "exit": run.wall_s - (data["result_at"] - run.started),
         "driver": data["driver_peak_rss_mb"],
+        "cpu": run.cpu_s,
     }
 
 
@@ -490,6 +503,7 @@ def section_cold(s: Settings) -> SectionResult:
             "ranks' imports + job": done - spawned,
             "exit": run.wall_s - done,
             "driver": run.peak_rss_mb,
+            "cpu": run.cpu_s,
         }
 
     # Apart: a second Ray beside the local runtime starts 3-4 s slower (seen here).
@@ -513,13 +527,21 @@ def section_cold(s: Settings) -> SectionResult:
         return median([r[key] for r in runs[who]])
 
     def breakdown(who: str) -> str:
-        keys = [k for k in runs[who][0] if k not in ("wall", "result", "driver")]
+        keys = [k for k in runs[who][0] if k not in ("wall", "result", "driver", "cpu")]
         return ", ".join(f"{k} {fmt_s(med(who, k))}" for k in keys)
 
     table = Table(
         f"1. Cold start: trivial gloo job on {RANKS} ranks from a fresh process "
         f"(median of {s.cold_runs})",
-        ["launcher", "wall to exit", "min..max", "to result", "driver peak RSS", "breakdown"],
+        [
+            "launcher",
+            "wall to exit",
+            "min..max",
+            "to result",
+            "machine CPU",
+            "driver peak RSS",
+            "breakdown",
+        ],
     )
     labels = {
         "local": "distribute, `orchestrator local start` running",
@@ -534,6 +556,7 @@ def section_cold(s: Settings) -> SectionResult:
                 fmt_s(med(who, "wall")),
                 fmt_spread([r["wall"] for r in runs[who]]),
                 fmt_s(med(who, "result")),
+                fmt_s(med(who, "cpu")),
                 fmt_mb(med(who, "driver")),
                 breakdown(who),
             ]
@@ -542,12 +565,24 @@ def section_cold(s: Settings) -> SectionResult:
     for who, theirs in (("local", "torchrun beside it"), ("embedded", "torchrun")):
         ratios[who] = med(who, "wall") / med(theirs, "wall")
         result_ratio = med(who, "result") / med(theirs, "result")
+        cpu_ratio = med(who, "cpu") / med(theirs, "cpu")
         table.rows.append(
-            [f"ratio {who}/{theirs}", f"{ratios[who]:.2f}", "", f"{result_ratio:.2f}", "", ""]
+            [
+                f"ratio {who}/{theirs}",
+                f"{ratios[who]:.2f}",
+                "",
+                f"{result_ratio:.2f}",
+                f"{cpu_ratio:.2f}",
+                "",
+                "",
+            ]
         )
     table.notes += [
         "to result: process start until our driver has every rank's result / until torchrun's "
         "last rank returned; exit: from then until the process is gone (Ray's shutdown, teardown)",
+        "machine CPU: CPU time all processes used during the run (/proc/stat; the run's own, "
+        f"Ray's daemons, this benchmark's polling); on {os.cpu_count()} cores no run can take "
+        f"less wall time than machine CPU / {os.cpu_count()}",
         "driver peak RSS: our driver process / torchrun's launcher process (polled VmHWM)",
         f"local runtime: {RANKS} spares; each run beside it starts once they are all back "
         f"(replaced after every script, in the background); idle, each spare holds "

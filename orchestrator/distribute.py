@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import itertools
@@ -30,7 +31,7 @@ from orchestrator.errors import (
     JobTimeoutError,
     OrchestratorError,
 )
-from orchestrator.job import PENDING, RUNNING, Job
+from orchestrator.job import PENDING, RUNNING, Job, stop_all
 from orchestrator.logs import DEFAULT_PREFIX, Console, read_log
 from orchestrator.pool import Pool, StopRequested
 
@@ -679,3 +680,15 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _at_exit() -> None:
+    """Interpreter exit: stop this process's unfinished jobs, then the embedded Ray.
+
+    Registered after `import ray`, so it runs before Ray's own exit hook.
+    """
+    stop_all(say=True)
+    cluster.at_exit()
+
+
+atexit.register(_at_exit)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import contextvars
 import sys
@@ -230,6 +229,3 @@ def stop_all(say: bool = False) -> None:
                     flush=True,
                 )
             job.cancel()
-
-
-atexit.register(stop_all, say=True)

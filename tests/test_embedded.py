@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -31,6 +32,17 @@ SCRIPT = textwrap.dedent("""\
     if __name__ == "__main__":
         results = distribute(train_loop, num_replicas=4, replicas_per_node=2)(epochs=10)
         print("RESULTS", json.dumps(results))
+        daemons = []  # what the embedded instance runs: the driver's own children
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = open(f"/proc/{pid}/stat").read()
+                argv = open(f"/proc/{pid}/cmdline").read().split("\\0")
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                script = next((a for a in argv if a.endswith(".py")), argv[0])
+                daemons.append(os.path.basename(script))
+        print("DAEMONS", json.dumps(sorted(daemons)))
 """)
 
 
@@ -45,9 +57,25 @@ def fresh_env():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run(env: dict[str, str], tmp: Path) -> subprocess.CompletedProcess[str]:
+HOLD = textwrap.dedent("""\
+    import time
+    from orchestrator import distribute
+
+    def hold():
+        time.sleep(300)
+
+    job = distribute(hold, num_replicas=2, replicas_per_node=1).submit()
+    while job.status().state != "running":
+        time.sleep(0.05)
+    raise SystemExit("the driver gives up")
+""")
+
+
+def _run(
+    env: dict[str, str], tmp: Path, source: str = SCRIPT
+) -> subprocess.CompletedProcess[str]:
     script = tmp / "used_by.py"
-    script.write_text(SCRIPT)
+    script.write_text(source)
     return subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180,
         check=False,
@@ -65,11 +93,47 @@ def _check(proc: subprocess.CompletedProcess[str]) -> None:
     # Ray's own start-up chatter stays out of the user's way.
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
     assert "INFO" not in proc.stderr
+    # Ray's head without the processes a script has no use for (1-2 s of a cold start).
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("DAEMONS"))
+    daemons = json.loads(line.split(" ", 1)[1])
+    assert {"gcs_server", "raylet"} <= set(daemons), daemons
+    assert not {"dashboard.py", "monitor.py", "log_monitor.py"} & set(daemons), daemons
+
+
+def _left_behind(tmp: Path, within: float = 20) -> list[str]:
+    """Processes of this Ray instance (by RAY_TMPDIR) still alive after `within` seconds.
+
+    A rank's tail keeps its last output for 10 s after the rank is gone, then exits.
+    """
+    mark = f"RAY_TMPDIR={tmp}".encode()
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    left.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode())
+            except OSError:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 def test_used_by_line_runs_unchanged_on_a_laptop_without_gpus(fresh_env):
     env, tmp = fresh_env
     _check(_run(env, tmp))
+    assert _left_behind(tmp) == []
+
+
+def test_a_script_that_exits_mid_job_stops_it_then_ray(fresh_env):
+    env, tmp = fresh_env
+    proc = _run(env, tmp, HOLD)
+    assert proc.returncode == 1
+    assert proc.stderr.endswith(
+        "the driver gives up\n[orchestrator] stopping job hold (running) at exit\n"
+    ), proc.stderr
+    assert _left_behind(tmp) == []
 
 
 def test_stale_cluster_file_starts_a_fresh_instance(fresh_env):
