@@ -6,6 +6,7 @@ import contextlib
 import faulthandler
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -46,7 +47,7 @@ class Capture:
             os.dup2(write_end, fd)
             os.close(write_end)
             self._pipes[read_end] = stream
-        self._tee = -1
+        self._tee = self._lifeline = -1
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         for stream in (sys.stdout, sys.stderr):
@@ -82,21 +83,43 @@ class Capture:
         os.close(tee)
 
     def _hook_exit(self) -> None:
-        """Make os._exit hand the last lines to the driver first: they explain the exit."""
+        """Make os._exit hand the last lines to the driver first: they explain the exit.
+
+        Only in the rank's own process: a forked child (a data loader worker, a
+        multiprocessing.Process) inherits the hook but not the thread it waits for.
+        """
         real_exit = os._exit
+        owner = os.getpid()
 
         def _exit(status: int) -> None:
-            with contextlib.suppress(Exception):
-                self.sync()
-                self._append(EXIT_STREAM, str(status).encode())
-                deadline = time.monotonic() + _EXIT_GRACE_S
-                with self._cond:
-                    self._cond.wait_for(lambda: not self._chunks, timeout=_EXIT_GRACE_S)
-                # The driver's request has taken the chunks; let its reply leave.
-                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            if os.getpid() == owner:
+                with contextlib.suppress(Exception):
+                    self.sync()
+                    self._append(EXIT_STREAM, str(status).encode())
+                    deadline = time.monotonic() + _EXIT_GRACE_S
+                    with self._cond:
+                        self._cond.wait_for(lambda: not self._chunks, timeout=_EXIT_GRACE_S)
+                    # The driver's request has taken the chunks; let its reply leave.
+                    time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
             real_exit(status)
 
         os._exit = _exit
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child writes to fds 1 and 2 like its rank, and inherits nothing else of ours.
+
+        It keeps no end of the capture's private pipes (the keeper's lifeline among
+        them: the keeper must learn of the rank's death when the rank dies, not when
+        its last data loader worker does), and SIGTERM kills it as it would kill a
+        child of a torchrun worker, instead of running Ray's handler for the actor.
+        """
+        for fd in (*self._pipes, self._wake_r, self._wake_w, self._tee, self._lifeline):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def drain(self, timeout: float) -> list[OutputChunk]:
         """Chunks not yet drained, waiting up to `timeout` s for the first one."""
