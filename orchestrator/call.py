@@ -8,7 +8,6 @@ import re
 import threading
 import time
 import uuid
-from collections import Counter
 from dataclasses import replace
 from typing import Any, TypeAlias
 
@@ -62,10 +61,9 @@ def ship(payload: Payload) -> Shipment:
 
 def _with_sharing(specs: list[RankSpec], nodes: list[str], key: str) -> list[RankSpec]:
     """Each rank's spec naming this call's copy of large buffers on its node (`nodes`, by
-    rank), and how many ranks read it there."""
-    readers = Counter(nodes)
+    rank)."""
     return [
-        replace(spec, share_key=f"{key}-{node[:16]}", share_readers=readers[node])
+        replace(spec, share_key=f"{key}-{node[:16]}")
         for spec, node in zip(specs, nodes, strict=True)
     ]
 

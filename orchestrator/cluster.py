@@ -130,6 +130,7 @@ def _start_local(min_cpus: float) -> None:
                 include_dashboard=False,
                 logging_level=ray_level,
                 log_to_driver=False,  # ranks' output comes through our own capture
+                _system_config=None if NICENESS_VAR in os.environ else SAME_NICENESS,
             )
     finally:
         quiet.setLevel(level)
@@ -138,6 +139,14 @@ def _start_local(min_cpus: float) -> None:
         f"running locally on an embedded Ray instance ({os.cpu_count()} cores, {gpus} GPUs); "
         "`orchestrator local start` keeps one warm between scripts"
     )
+
+
+NICENESS_VAR = "RAY_worker_niceness"
+SAME_NICENESS = {"worker_niceness": 0}
+"""Ray starts workers 15 nice levels below its raylet by default; a rank, and the data
+loader workers it forks, would then yield to everything else on the machine. The
+embedded instance and the local runtime start them at the driver's own niceness
+(unless the user sets RAY_worker_niceness)."""
 
 
 _NOT_STARTED = ("start_api_server", "start_monitor", "start_log_monitor")

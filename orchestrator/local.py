@@ -137,7 +137,12 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             # On SIGTERM Ray would wait up to 30 s for busy nodes to drain; spares never are.
-            env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **os.environ, "RAY_AUTH_MODE": auth},
+            env={
+                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+                cluster.NICENESS_VAR: str(cluster.SAME_NICENESS["worker_niceness"]),
+                **os.environ,
+                "RAY_AUTH_MODE": auth,
+            },
             start_new_session=True,  # a Ctrl-C in this terminal later must not stop it
         )
     try:

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -176,6 +177,7 @@ class Pool:
                 ray.kill(actor, no_restart=True)
             raise
         self.infos = self._infos(range(len(self.actors)))
+        _note_niceness(self.name, self.infos)
         self.next_port: int = self._open_store()
         self._respec()
 
@@ -277,6 +279,27 @@ class Pool:
                 ray.kill(actor, no_restart=True)
 
 
+_niced_noted = threading.Event()
+
+
+def _note_niceness(name: str, infos: list[NodeInfo]) -> None:
+    """Say once per process when ranks run niced below the driver, and how to change it."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    niced = sorted({info.niceness for info in infos if info.niceness > mine})
+    if not niced or _niced_noted.is_set():
+        return
+    _niced_noted.set()
+    levels = "/".join(map(str, niced))
+    print(
+        f"[{name}] the ranks run at niceness {levels} (this driver at {mine}), set by Ray's "
+        "worker_niceness on their nodes: they and their data loader workers yield the CPU "
+        "to every other process there. To run them at normal priority, start Ray on each "
+        "node with RAY_worker_niceness=0 in the environment of `ray start`.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _specs(
     name: str,
     request: Request,
@@ -291,6 +314,7 @@ def _specs(
     for slot, info in zip(slots, infos, strict=True):
         by_node.setdefault(slot.node_rank, []).append(info.gpu_ids)
     devices = {node: order_devices(ids) for node, ids in by_node.items()}
+    on_node = Counter(info.node_id for info in infos)
     return [
         RankSpec(
             job_name=name,
@@ -309,6 +333,7 @@ def _specs(
             post_mortem=post_mortem,
             env=dict(env),
             workdir=workdir,
+            ranks_on_node=on_node[info.node_id],
         )
         for slot, info in zip(slots, infos, strict=True)
     ]

@@ -89,7 +89,8 @@ def test_simulated_nodes_must_fit_on_one_node():
 
 def _spec(**kw):
     base = dict(job_name="j", rank=3, local_rank=1, node_rank=1, world_size=4,
-                local_world_size=2, num_nodes=2, master_addr="10.1.2.3", master_port=29500)
+                local_world_size=2, num_nodes=2, master_addr="10.1.2.3", master_port=29500,
+                ranks_on_node=2)
     base.update(kw)
     return RankSpec(**base)
 
@@ -107,6 +108,19 @@ def test_rank_env_matches_torchrun():
     assert env["CUDA_VISIBLE_DEVICES"] == "4,6"
     assert env["OMP_NUM_THREADS"] == "1"
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+def test_threads_follow_torchrun_unless_the_rank_reserved_more_cpus():
+    cores = environment.physical_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    # Several ranks on a node: one thread each (torchrun), or the CPUs each reserved.
+    assert environment.default_threads(_spec(ranks_on_node=2)) == 1
+    assert environment.default_threads(_spec(ranks_on_node=2, cpus=4)) == 4
+    assert environment.default_threads(_spec(ranks_on_node=2, cpus=0.5)) == 1
+    # Alone on its node: torch's own default, one per physical core (more if reserved).
+    assert environment.default_threads(_spec(ranks_on_node=1)) == cores
+    assert environment.default_threads(_spec(ranks_on_node=1, cpus=cores + 3)) == cores + 3
+    assert environment.rank_env(_spec(ranks_on_node=1))["OMP_NUM_THREADS"] == str(cores)
 
 
 def test_user_env_wins_over_defaults():

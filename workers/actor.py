@@ -15,7 +15,7 @@ from typing import Any
 import cloudpickle
 import ray
 
-from workers import debugger, environment, sharing, stacks
+from workers import debugger, environment, script, sharing, stacks
 from workers.capture import Capture
 from workers.protocol import NodeInfo, OutputChunk, Payload, RankFailure, RankResult, RankSpec
 from workers.tail import tail_path
@@ -61,6 +61,7 @@ class RankActor:
             gpu_ids=gpus,
             interface=environment.interface_for_ip(self._node_ip),
             tail_path=str(tail_path(os.getpid())),
+            niceness=os.getpriority(os.PRIO_PROCESS, 0),
         )
 
     @ray.method(concurrency_group="control")
@@ -107,7 +108,7 @@ class RankActor:
         try:
             # First: every rank of this node must count itself as a reader (see sharing).
             shared = spec.env.get(sharing.SWITCH, os.environ.get(sharing.SWITCH)) != "0"
-            readers = spec.share_readers if shared else 1
+            readers = spec.ranks_on_node if shared else 1
             buffers = sharing.private_buffers(
                 payload.buffers, payload.readonly, spec.share_key, readers
             )
@@ -120,7 +121,8 @@ class RankActor:
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return self._failure(exc, time.time(), setup=True)
         try:
-            value = fn(*args, **kwargs)
+            with script.driver_main(fn):
+                value = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             when = time.time()  # before peers notice, so the root cause is the earliest
             if spec.post_mortem and exc.__traceback__ is not None:

@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import sys
+from pathlib import Path
 
 from workers.protocol import RankSpec
 
@@ -34,6 +35,32 @@ def order_devices(per_local_rank: list[tuple[str, ...]]) -> tuple[str, ...]:
     return tuple(firsts + rest)
 
 
+def default_threads(spec: RankSpec) -> int:
+    """Threads torch computes on in this rank, unless the user sets OMP_NUM_THREADS.
+
+    torchrun's choice, or the CPUs reserved for the rank (`cpus_per_replica`) where
+    those are more: a rank alone on its node gets torch's own default, one thread per
+    physical core it may run on; each of several ranks on a node gets one (torchrun's
+    guard against oversubscribing the node).
+    """
+    reserved = max(1, int(spec.cpus))
+    return reserved if spec.ranks_on_node > 1 else max(reserved, physical_cores())
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, hyperthreads of one core counted once (as torch does)."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            core = (topology / "core_id").read_text().strip()
+        except OSError:  # no topology (some containers): count the logical CPU
+            package, core = "cpu", str(cpu)
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
 def rank_env(spec: RankSpec) -> dict[str, str]:
     """The variables torchrun would give this rank, plus the user's `env`."""
     env = {
@@ -57,7 +84,7 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
         "TORCHELASTIC_RESTART_COUNT": str(spec.restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "RESTART_COUNT": str(spec.restart_count),
-        "OMP_NUM_THREADS": str(max(1, int(spec.cpus))),
+        "OMP_NUM_THREADS": str(default_threads(spec)),
         "ORCHESTRATOR_NODE_IP": spec.node_ip,
     }
     if spec.cuda_visible_devices:

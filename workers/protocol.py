@@ -20,6 +20,8 @@ class NodeInfo:
     """Network interface that carries `node_ip`, if one could be found."""
     tail_path: str = ""
     """Where the rank's unread output is left if its process dies."""
+    niceness: int = 0
+    """The actor process's nice value (Ray's worker_niceness sets it on each node)."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,9 @@ class RankSpec:
     """Where the rank runs, when it runs on the driver's machine (the local runtime)."""
     share_key: str = ""
     """Names this call's node-wide copy of the payload's large buffers (workers.sharing)."""
-    share_readers: int = 1
-    """How many ranks of this call run on this rank's Ray node and read that copy."""
+    ranks_on_node: int = 1
+    """How many ranks of the job run on this rank's Ray node (they share its cores and
+    read one copy of the payload's large buffers)."""
 
 
 @dataclass(frozen=True)

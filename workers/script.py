@@ -1,13 +1,21 @@
-"""A rank's side of `orchestrator run`: run a script or module as `__main__`, as python would."""
+"""What `__main__` is in a rank: the user's script, as under python or torchrun.
+
+`orchestrator run` runs a script or module as `__main__`; a function shipped from a
+driver's script runs with a stand-in `__main__` made of that script's globals.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 _HIDDEN = frozenset({__name__, "runpy"})
 """Modules whose frames are cut from a script's traceback, so the user's code starts it."""
@@ -109,3 +117,32 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     while first is not None and first.tb_frame.f_globals.get("__name__") in _HIDDEN:
         first = first.tb_next
     return first if first is not None else tb
+
+
+@contextlib.contextmanager
+def driver_main(fn: Callable[..., Any]) -> Iterator[None]:
+    """While `fn` runs, `__main__` is the driver's script that `fn` was defined in.
+
+    multiprocessing pickles the functions and classes of `__main__` by name (the
+    function of `mp.Pool.map`, a spawned data loader's dataset), and a rank's own
+    `__main__` is Ray's worker, where those names do not exist. A stand-in module with
+    the shipped globals lets the rank pickle them; it names the script's file where this
+    node has it, so a spawned (or forkserver) child runs the script as `__mp_main__` and
+    finds them, as a child of a torchrun worker does.
+    """
+    shipped = getattr(fn, "__globals__", None)
+    if not isinstance(shipped, dict) or shipped.get("__name__") != "__main__":
+        yield  # a module's function (or `orchestrator run`'s, which runs its own)
+        return
+    stand_in = types.ModuleType("__main__")
+    stand_in.__dict__.update(shipped)
+    stand_in.__spec__ = None  # what a script run by path has: children load it by path
+    file = shipped.get("__file__")
+    if not (isinstance(file, str) and os.path.isabs(file) and os.path.isfile(file)):
+        vars(stand_in).pop("__file__", None)  # a notebook's, or not on this node
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = stand_in
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = saved
