@@ -11,6 +11,8 @@ RAY_ADDRESS, so it starts its own Ray and never joins another cluster):
             with nothing running and with `orchestrator local start` running
   warm      the same job again on the warm pool (< 0.1 s); a rank-only call (< 5 ms)
   train     DDP steps/s inside the ranks: warm pool, fresh pool, torchrun, rotated (>= 0.98)
+  loader    examples/resnet.py fed by a DataLoader with 0/2/4 workers, 1 and 2 ranks, fresh
+            processes through distribute() and torchrun, alternating         (each >= 0.98)
   memory    peak RSS of a rank (ours vs a torchrun worker: at most +100 MB) and of the driver
   shipping  a 200 MB closure called on 1 and on 8 ranks                   (8 ranks <= 1.5x)
   growth    2..16 ranks over 1..8 simulated nodes (ray.cluster_utils.Cluster): cold and warm
@@ -49,7 +51,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SECTIONS = ("cold", "warm", "train", "memory", "shipping", "growth")
+SECTIONS = ("cold", "warm", "train", "loader", "memory", "shipping", "growth")
 TAG = "BENCH_CORE_TAG"
 """Environment variable every process started by one run carries (value: the run's id)."""
 RANKS = 4
@@ -70,6 +72,10 @@ class Settings:
     train_warmup: int = 10
     train_width: int = 512
     train_batch: int = 64
+    loader_reps: int = 3
+    loader_layouts: tuple[tuple[int, int], ...] = tuple(
+        (ranks, workers) for ranks in (1, 2) for workers in (0, 2, 4)
+    )
     memory_train_steps: int = 20
     shipping_mb: int = 200
     shipping_calls: int = 5
@@ -87,6 +93,7 @@ class Settings:
             train_reps=1,
             train_steps=40,
             train_warmup=5,
+            loader_reps=1,
             memory_train_steps=10,
             shipping_calls=2,
             growth_calls=2,
@@ -262,7 +269,7 @@ def clean_env(ray_tmpdir: str | None = None) -> dict[str, str]:
         env["ORCHESTRATOR_LOG_DIR"] = str(Path(ray_tmpdir) / "orchestrator-logs")
     paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env["OMP_NUM_THREADS"] = "1"  # what torchrun sets for >1 rank, and our 1-CPU default
+    env["OMP_NUM_THREADS"] = "1"  # what torchrun and distribute() pick for several ranks a node
     return env
 
 
@@ -771,6 +778,47 @@ def section_train(s: Settings) -> SectionResult:
     )
 
 
+LOADER_TRAINING = ("--arch=resnet18", "--image-size=64", "--batch-size=16", "--steps=30",
+                   "--warmup=5")
+"""examples/resnet.py's settings in the loader section: bench_gpu's CPU settings."""
+
+
+def section_loader(s: Settings) -> SectionResult:
+    """A DataLoader-fed ResNet through distribute() and torchrun, fresh processes alternating.
+
+    The example times its steps inside the ranks, loader teardown included (as an
+    epoch's end has it). Neither launcher gets OMP_NUM_THREADS: each picks its default.
+    """
+    from benchmarks import bench_gpu
+
+    os.environ.pop("OMP_NUM_THREADS", None)
+    table = Table(
+        f"DataLoader-fed training: resnet18, 64 px synthetic, batch 16 per rank, 30 steps "
+        f"(5 not timed), gloo; images/s, median (min..max) of {s.loader_reps}",
+        ["ranks", "loader workers", "distribute", "torchrun", "ratio"],
+    )
+    checks = []
+    for ranks, workers in s.loader_layouts:
+        args = bench_gpu.parse_args([*LOADER_TRAINING, f"--workers={workers}"])
+        launchers = bench_gpu.commands(args, ranks)
+        rates: dict[str, list[float]] = {name: [] for name in launchers}
+        for rep in range(s.loader_reps):
+            order = list(launchers) if rep % 2 == 0 else list(reversed(launchers))
+            for name in order:
+                progress(f"loader: {ranks} rank(s), {workers} workers, rep {rep + 1}: {name}")
+                rates[name].append(bench_gpu.run(launchers[name], args.timeout)[0])
+        ratio = median(rates["distribute"]) / median(rates["torchrun"])
+        cells = [f"{median(r):.1f} ({min(r):.1f}..{max(r):.1f})" for r in rates.values()]
+        table.rows.append([str(ranks), str(workers), *cells, f"{ratio:.3f}"])
+        what = f"DataLoader training, {ranks} rank(s), {workers} workers, distribute/torchrun"
+        checks.append(Check(what, f"{ratio:.3f}", ">= 0.98", ratio >= 0.98))
+    table.notes.append(
+        "each run a fresh process: `python examples/resnet.py` (embedded Ray) or `torchrun "
+        "--standalone`; the order alternates per repeat; images/s timed inside the ranks"
+    )
+    return SectionResult([table], checks)
+
+
 def section_memory(s: Settings) -> SectionResult:
     """Memory of ranks (ours vs torchrun workers), of Ray's daemons, drivers and references."""
     import ray
@@ -1057,6 +1105,7 @@ RUNNERS: dict[str, Callable[[Settings], SectionResult]] = {
     "cold": section_cold,
     "warm": section_warm,
     "train": section_train,
+    "loader": section_loader,
     "memory": section_memory,
     "shipping": section_shipping,
     "growth": section_growth,
@@ -1178,7 +1227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         data = json.loads(args.settings)
-        data["growth_layouts"] = tuple(tuple(x) for x in data["growth_layouts"])
+        for layouts in ("growth_layouts", "loader_layouts"):
+            data[layouts] = tuple(tuple(x) for x in data[layouts])
         worker(args.worker, Settings(**data), Path(args.result))
         return 0
     settings = Settings.quick() if args.quick else Settings()

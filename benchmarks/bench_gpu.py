@@ -82,12 +82,10 @@ def run(argv: list[str], timeout: float) -> tuple[float, float]:
     return float(found[-1]), wall
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the comparison and print the table; exit status 1 when the target is missed."""
-    args = parse_args(argv)
-    ranks = args.ranks or default_ranks()
+def commands(args: argparse.Namespace, ranks: int) -> dict[str, list[str]]:
+    """The two command lines, by launcher: the example through distribute(), and torchrun."""
     common = example_args(args)
-    launchers = {
+    return {
         "distribute": [sys.executable, str(EXAMPLE), *common, f"--num-replicas={ranks}"],
         "torchrun": [
             sys.executable,
@@ -99,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
             *common,
         ],
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison and print the table; exit status 1 when the target is missed."""
+    args = parse_args(argv)
+    ranks = args.ranks or default_ranks()
+    launchers = commands(args, ranks)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in launchers}
     for repeat in range(args.repeats):
         order = list(launchers) if repeat % 2 == 0 else list(reversed(launchers))

@@ -228,7 +228,7 @@ def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> Non
     (runtime.tmp / "helper.py").write_text("WHO = 'helper beside the script'\n")
     (runtime.tmp / "script.py").write_text(
         "import os\nfrom helper import WHO\n"
-        "print('PID', os.getpid(), os.getcwd(), WHO, flush=True)\n"
+        "print('PID', os.getpid(), os.getcwd(), os.getpriority(os.PRIO_PROCESS, 0), WHO)\n"
     )
     proc = subprocess.run(
         [sys.executable, "-m", "orchestrator", "run", "--nproc", "3", "script.py"],
@@ -246,6 +246,8 @@ def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> Non
     assert len(pids & spares) == 2, (pids, spares)
     for line in lines:
         assert line.split()[1] == str(runtime.tmp)  # the folder itself, not a shipped copy
+        # Spares and new ranks alike run at the niceness of whoever started the runtime.
+        assert line.split()[2] == str(os.getpriority(os.PRIO_PROCESS, 0)), line
 
 
 def test_stop_ends_every_process(runtime: Runtime) -> None:
