@@ -3,6 +3,7 @@
 from orchestrator.distribute import DistributedFunction, distribute
 from orchestrator.errors import (
     BusyError,
+    ClusterUnreachableError,
     ConfigError,
     DistributedError,
     JobTimeoutError,
@@ -14,6 +15,7 @@ from orchestrator.job import Job, JobStatus, RankStatus
 
 __all__ = [
     "BusyError",
+    "ClusterUnreachableError",
     "ConfigError",
     "DistributedError",
     "DistributedFunction",

@@ -10,12 +10,14 @@ import re
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+
+from orchestrator.errors import ClusterUnreachableError
 
 _lock = threading.Lock()
 _embedded = False
@@ -40,18 +42,92 @@ def connect(address: str | None, *, min_cpus: float = 0) -> bool:
     with _lock:
         if ray.is_initialized():
             return _embedded
-        target = address or os.environ.get("RAY_ADDRESS")
-        live, stale = (None, None) if target else local_cluster()
-        target = target or live
+        given = address or os.environ.get("RAY_ADDRESS")
+        live, stale = (None, None) if given else local_cluster()
+        target = given or live
         if target:
+            if given:
+                check_reachable(given, "address" if address else "RAY_ADDRESS")
             local_token(target)  # only where it is the local runtime's address
             ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
             return False
         if stale:
             say(f"the Ray cluster recorded in {stale} is gone; starting a fresh local one")
-        _start_local(min_cpus)
+        in_lasting_thread(lambda: _start_local(min_cpus))
         _embedded = True
         return True
+
+
+def in_lasting_thread(start: Callable[[], None]) -> None:
+    """Run `start` (which starts Ray's daemons) in a thread that lives as long as this process.
+
+    Ray starts its GCS and raylet with PR_SET_PDEATHSIG, which Linux sends when the
+    thread that started them ends, not the process: started from a pool thread or a
+    request handler, they would be killed with it. The main thread lasts; others
+    hand the start to a thread of ours that waits until the process exits.
+    """
+    if threading.current_thread() is threading.main_thread():
+        start()
+        return
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def host() -> None:
+        try:
+            start()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+        threading.Event().wait()  # Ray's daemons live as long as this thread
+
+    threading.Thread(target=host, name="orchestrator-ray-host", daemon=True).start()
+    done.wait()
+    if failure:
+        raise failure[0]
+
+
+REACH_TIMEOUT_S = 5.0
+"""How long a given address may take to answer before the call fails (Ray retries for minutes)."""
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""HTTP/2's client preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, or its
+client server for ray://) answers with a SETTINGS frame of its own."""
+
+
+def check_reachable(address: str, given_as: str) -> None:
+    """Raise ClusterUnreachableError, naming `address`, unless a Ray server answers there.
+
+    Ray itself retries a dead address for minutes, deaf to Ctrl-C and SIGTERM, and may
+    then end the process. Addresses without a port ("auto", "local") are Ray's to read.
+    """
+    scheme, _, host_port = address.rpartition("://")
+    host, colon, port = host_port.rpartition(":")
+    if not colon or not port.isdigit():
+        return
+    host = host.strip("[]")
+    where = f"no Ray cluster at {given_as}={address!r}"
+    fix = (
+        "check that Ray runs there (`ray start --head` prints the address to give) and that "
+        "this machine can reach it, or give no address to run on this machine"
+    )
+    try:
+        with socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S) as sock:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return  # a TLS server waits for a TLS hello: the open port is all we ask
+            sock.sendall(_H2_PREFACE)
+            reply = sock.recv(9)
+    except TimeoutError:
+        tried = f"{host}:{port} did not answer within {REACH_TIMEOUT_S:g} s"
+        raise ClusterUnreachableError(f"{where}: {tried}; {fix}") from None
+    except OSError as exc:
+        tried = f"connecting to {host}:{port} failed ({exc.strerror or exc})"
+        raise ClusterUnreachableError(f"{where}: {tried}; {fix}") from None
+    if len(reply) < 4 or reply[3] != 4:  # 4: a SETTINGS frame
+        kind = "Ray Client server (ray://)" if scheme else "GCS (`ray start --head --port`)"
+        raise ClusterUnreachableError(
+            f"{where}: {host}:{port} accepts connections but does not answer as a Ray {kind} "
+            f"would; give the address of the cluster's head, or {fix.split(', or ')[1]}"
+        )
 
 
 _rank_pids: set[int] = set()

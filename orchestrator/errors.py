@@ -4,6 +4,8 @@ OrchestratorError
  ├── ConfigError (also ValueError)   a bad argument, raised before anything starts
  ├── BusyError                       a call was submitted with queue=False while
  │                                   the function's previous call still runs
+ ├── ClusterUnreachableError         no Ray cluster answers at the address given
+ │                                   (also ConnectionError)
  ├── PlacementError                  the cluster can never hold the request
  │    └── PlacementTimeoutError      it could not be placed within placement_timeout
  │                                   (also TimeoutError)
@@ -54,6 +56,10 @@ class ConfigError(OrchestratorError, ValueError):
 
 class BusyError(OrchestratorError):
     """The function's previous call still runs and the caller asked not to queue."""
+
+
+class ClusterUnreachableError(OrchestratorError, ConnectionError):
+    """No Ray cluster answers at the address given: names it and what was tried."""
 
 
 class PlacementError(OrchestratorError):

@@ -305,6 +305,7 @@ def _join_and_ship(address: str, options: RunOptions) -> None:
         f"shipping {root} to the cluster at {address}: {measured.files} files, "
         f"{format_size(measured.total)}"
     )
+    cluster.check_reachable(address, "address")
     # Per-actor runtime_envs take URIs only; the job's own takes a local folder and
     # uploads it once (content-addressed: an unchanged folder is not sent again).
     ray.init(
@@ -345,6 +346,9 @@ def connect_existing(address: str | None) -> None:
             "other processes cannot reach: to look at local runs from here, start Ray "
             "with `ray start --head` first"
         )
+    given_as = "--address" if address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else ""
+    if given_as:
+        cluster.check_reachable(target, given_as)
     cluster.local_token(target)
     ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
 

@@ -71,6 +71,52 @@ HOLD = textwrap.dedent("""\
 """)
 
 
+FROM_THREADS = textwrap.dedent("""\
+    import os, threading, time
+    from concurrent.futures import ThreadPoolExecutor
+    from orchestrator import distribute
+
+    def rank():
+        return int(os.environ["RANK"])
+
+    def fails():
+        raise ValueError("boom")
+
+    def crashes_once():
+        if os.environ["RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+            os._exit(3)
+        return int(os.environ["RESTART_COUNT"])
+
+    def daemons():
+        states = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = open(f"/proc/{pid}/stat").read()
+            except OSError:
+                continue
+            name = stat.split("(", 1)[1].rsplit(")", 1)[0]
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == os.getpid() and name in ("gcs_server", "raylet"):
+                states[name] = state
+        return " ".join(f"{name}:{state}" for name, state in sorted(states.items()))
+
+    first = distribute(rank, num_replicas=2)
+    with ThreadPoolExecutor(2) as pool:  # Ray starts in a pool thread, which then ends
+        print("POOL", pool.submit(first).result())
+    thread = threading.Thread(target=lambda: print("THREAD", first()))
+    thread.start()
+    thread.join()
+    time.sleep(1)
+    print("DAEMONS", daemons())
+    print("NEW", distribute(rank, num_replicas=2, name="second")())  # needs the GCS
+    try:
+        distribute(fails, num_replicas=2, name="fails")()
+    except ValueError as exc:
+        print("FAILED", str(exc).splitlines()[0])
+    print("RESTARTED", distribute(crashes_once, num_replicas=2, max_restarts=1)())
+""")
+
+
 def _run(
     env: dict[str, str], tmp: Path, source: str = SCRIPT
 ) -> subprocess.CompletedProcess[str]:
@@ -133,6 +179,21 @@ def test_a_script_that_exits_mid_job_stops_it_then_ray(fresh_env):
     assert proc.stderr.endswith(
         "the driver gives up\n[orchestrator] stopping job hold (running) at exit\n"
     ), proc.stderr
+    assert _left_behind(tmp) == []
+
+
+def test_ray_outlives_the_thread_that_started_it(fresh_env):
+    """Ray's daemons die with the thread that started them (PR_SET_PDEATHSIG)."""
+    env, tmp = fresh_env
+    proc = _run(env, tmp, FROM_THREADS)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    assert lines["POOL"] == lines["THREAD"] == lines["NEW"] == "[0, 1]", proc.stdout
+    states = dict(item.split(":") for item in lines["DAEMONS"].split())
+    assert sorted(states) == ["gcs_server", "raylet"], lines["DAEMONS"]
+    assert "Z" not in states.values(), lines["DAEMONS"]  # not killed with the pool's thread
+    assert "boom" in lines["FAILED"], lines["FAILED"]
+    assert lines["RESTARTED"] == "[1, 1]", proc.stdout
     assert _left_behind(tmp) == []
 
 

@@ -26,6 +26,7 @@ from workers.protocol import RankFailure, RankSpec
 def test_public_api_is_small_and_stable():
     assert sorted(orchestrator.__all__) == [
         "BusyError",
+        "ClusterUnreachableError",
         "ConfigError",
         "DistributedError",
         "DistributedFunction",

@@ -1,0 +1,86 @@
+"""Connecting to a cluster that is not there: a clear error within seconds, in fresh processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+UNREACHABLE = textwrap.dedent("""\
+    import os, socket, sys, threading, time
+    from orchestrator import ClusterUnreachableError, distribute
+
+    def f():
+        return 1
+
+    silent = socket.socket()  # accepts, then says nothing
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    other = socket.socket()  # answers, but not as Ray
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+
+    def answer():
+        conn, _ = other.accept()
+        conn.recv(100)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\\r\\n\\r\\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    addresses = ["127.0.0.1:1", f"127.0.0.1:{silent.getsockname()[1]}",
+                 f"127.0.0.1:{other.getsockname()[1]}", "ray://127.0.0.1:1", "env"]
+    for address in addresses:
+        if address == "env":
+            os.environ["RAY_ADDRESS"] = "127.0.0.1:1"
+        started = time.monotonic()
+        try:
+            distribute(f, num_replicas=1, address=None if address == "env" else address)()
+        except ClusterUnreachableError as exc:
+            print(f"{time.monotonic() - started:.1f}", exc, flush=True)
+""")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def test_an_address_where_no_ray_answers_fails_within_seconds(tmp_path):
+    script = tmp_path / "unreachable.py"
+    script.write_text(UNREACHABLE)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 5, proc.stdout + proc.stderr
+    took = [float(line.split()[0]) for line in lines]
+    assert max(took) < 10, lines
+    refused, silent, other, client, env = lines
+    assert "address='127.0.0.1:1'" in refused and "Connection refused" in refused
+    assert "did not answer within 5 s" in silent
+    assert "does not answer as a Ray GCS" in other
+    assert "address='ray://127.0.0.1:1'" in client
+    assert "RAY_ADDRESS='127.0.0.1:1'" in env
+    for line in lines:
+        assert "`ray start --head`" in line or "head" in line  # says what to do
+
+
+def test_the_command_line_fails_fast_on_an_unreachable_address(tmp_path):
+    (tmp_path / "train.py").write_text("print('never')\n")
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", "--address", "127.0.0.1:1", "--nproc",
+         "1", "train.py"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert time.monotonic() - started < 20
+    assert proc.returncode == 1, proc.stderr
+    assert "no Ray cluster at" in proc.stderr and "127.0.0.1:1" in proc.stderr, proc.stderr
+    assert "never" not in proc.stdout
