@@ -15,6 +15,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator import cluster
 from orchestrator.errors import (
     CRASH,
     describe_rank,
@@ -268,7 +269,12 @@ def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFail
             pid=info.pid,
             time=time.time(),
             exc_type=CRASH,
-            message=_crash_reason(exc, pool.exit_codes.get(rank), last_words),
+            message=_crash_reason(
+                exc,
+                pool.exit_codes.get(rank),
+                last_words,
+                node_gone=cluster.node_lost(info.node_id),
+            ),
             traceback="",
         )
 
@@ -299,7 +305,9 @@ def _show_leftovers(pool: Pool, rank: int) -> str:
     return "".join(text for _, _, text in unseen)
 
 
-def _crash_reason(exc: RayActorError, exit_code: int | None, last_words: str) -> str:
+def _crash_reason(
+    exc: RayActorError, exit_code: int | None, last_words: str, *, node_gone: bool = False
+) -> str:
     if exit_code is not None:
         return f"its process called os._exit({exit_code})"
     fatal = re.search(r"Fatal Python error: ([^\n]+)", last_words)
@@ -307,6 +315,11 @@ def _crash_reason(exc: RayActorError, exit_code: int | None, last_words: str) ->
         return f"its process died: {fatal.group(1).strip()} (its stack is in its last lines above)"
     detail = re.search(r"Worker exit detail: ([^.]*)", str(exc))
     ray_says = f"; Ray says: {detail.group(1)}" if detail else ""
+    if node_gone:
+        return (
+            "its node left the Ray cluster (Ray stopped there, or the machine was lost), "
+            f"taking the rank with it{ray_says}"
+        )
     return (
         "its process died without a word: killed by a signal (such as SIGKILL), "
         f"the out-of-memory killer, or its node was lost{ray_says}"

@@ -187,6 +187,26 @@ def nodes() -> list[Node]:
     ]
 
 
+def node_lost(node_id: str, timeout: float = 1.0) -> bool:
+    """Whether Ray on a node is gone: the GCS says so, or its raylet no longer answers.
+
+    The GCS takes its health checks' time (seconds) to notice; a raylet's closed port
+    says it at once.
+    """
+    try:
+        found = [n for n in ray.nodes() if n["NodeID"] == node_id]
+    except Exception:  # noqa: BLE001 - the GCS itself is gone, and every node with it
+        return True
+    if not found or not found[0].get("Alive"):
+        return True
+    address = (found[0]["NodeManagerAddress"], int(found[0]["NodeManagerPort"]))
+    try:
+        with socket.create_connection(address, timeout=timeout):
+            return False
+    except OSError:
+        return True
+
+
 LOCAL_SLOTS = 64
 """Logical CPUs of the embedded instance: slots for ranks, not cores (torchrun has no limit)."""
 

@@ -237,8 +237,8 @@ def test_a_driver_that_exits_leaves_nothing_behind(cluster, tmp_path, how):
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "running\n"
-        busy = ray.available_resources().get("GPU", 0)
-        assert busy < 4
+        # Ray's view of free resources lags the placement by up to a second or so under load.
+        wait_for(lambda: ray.available_resources().get("GPU", 0) < 4, 10, "the job's GPUs held")
         if how == "kill":
             proc.send_signal(signal.SIGKILL)
         _, err = proc.communicate(timeout=60)

@@ -126,6 +126,8 @@ def test_losing_a_node_restarts_the_job_on_the_remaining_nodes(cluster):
     assert [attempt for attempt, _ in results] == ["1"] * 4
     assert second_node not in {node for _, node in results}
     assert job.status().restarts == 1
+    [attempt] = job.status().failed_attempts  # said as a lost node, not a bare crash
+    assert "its node left the Ray cluster" in attempt, attempt
     groups = [g for g in placement_group_table().values() if g["name"].startswith("lose-")]
     assert sorted(g["state"] for g in groups) == ["CREATED", "REMOVED"]
     fn.shutdown()
