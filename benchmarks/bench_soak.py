@@ -170,7 +170,14 @@ def call_once(fn: Any, outcome: str, args: tuple) -> tuple[BaseException | None,
 
 
 def submitter(
-    thread: int, sizes: list[int], until: float, *, seed: int, tally: Tally, stamps: Path
+    thread: int,
+    sizes: list[int],
+    until: float,
+    *,
+    seed: int,
+    weights: dict[str, float],
+    tally: Tally,
+    stamps: Path,
 ) -> None:
     """One user thread: a warm function per size, called with random outcomes until `until`."""
     import torch
@@ -185,7 +192,7 @@ def submitter(
         while time.monotonic() < until:
             number += 1
             n = rng.choice(sizes)
-            outcome = rng.choices(list(OUTCOMES), weights=list(OUTCOMES.values()))[0]
+            outcome = rng.choices(list(weights), weights=list(weights.values()))[0]
             victim, value = rng.randrange(n), rng.randrange(1000)
             payload = None
             if rng.random() < 0.25:
@@ -270,6 +277,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--max-ranks", type=int, default=4, help="sizes 1..N per thread")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--outcomes",
+        default=",".join(f"{k}={v}" for k, v in OUTCOMES.items()),
+        help="NAME=WEIGHT,... of the outcomes to draw (default: %(default)s)",
+    )
     parser.add_argument("--quick", action="store_true", help="30 s, 2 threads, 1..2 ranks")
     args = parser.parse_args(argv)
     if args.quick:
@@ -277,6 +289,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("minutes", "threads", "max_ranks"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be > 0")
+    try:
+        pairs = [item.split("=") for item in args.outcomes.split(",")]
+        args.weights = {name.strip(): float(weight) for name, weight in pairs}
+    except ValueError:
+        parser.error(f"--outcomes={args.outcomes}: give NAME=WEIGHT,... ")
+    unknown = sorted(set(args.weights) - set(OUTCOMES))
+    if unknown or not any(args.weights.values()):
+        problem = f"unknown {', '.join(unknown)}" if unknown else "every weight is 0"
+        parser.error(f"--outcomes: {problem}; valid names: {', '.join(OUTCOMES)}")
     return args
 
 
@@ -299,7 +320,12 @@ def main(argv: list[str] | None = None) -> int:
             threading.Thread(
                 target=submitter,
                 args=(t, sizes, until),
-                kwargs={"seed": args.seed * 1000 + t, "tally": tally, "stamps": Path(stamps)},
+                kwargs={
+                    "seed": args.seed * 1000 + t,
+                    "weights": args.weights,
+                    "tally": tally,
+                    "stamps": Path(stamps),
+                },
                 name=f"soak-{t}",
             )
             for t in range(args.threads)
@@ -307,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         for thread in threads:
             thread.start()
         for thread in threads:  # a call that never returns is the worst outcome of all
-            thread.join(max(0.0, until - time.monotonic()) + CALL_LIMIT_S)
+            thread.join(max(0.0, until + CALL_LIMIT_S - time.monotonic()))
         stuck = [thread for thread in threads if thread.is_alive()]
         if stuck:
             frames = sys._current_frames()
@@ -315,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\nSTUCK: {thread.name}, a call still running {CALL_LIMIT_S:g} s after "
                       "the end:\n" + "".join(traceback.format_stack(frames[thread.ident])))
             sys.stdout.flush()
+            time.sleep(float(os.environ.get("SOAK_HOLD", "0")))
             os._exit(1)
     elapsed = time.time() - started
     rss_end, fds_end = rss_mb(), open_fds()

@@ -160,3 +160,27 @@ def test_a_waiting_job_fails_once_a_lost_node_leaves_the_cluster_unable_to_hold_
     holder.shutdown()
     waiter.shutdown()
     wait_resources_back()
+
+
+def _advance_then_join(step: str) -> tuple[float, str]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if step == "advance":
+        if os.environ["RANK"] == "1":
+            # What an init_process_group that failed half-way (a peer died while the
+            # group connected) leaves behind: torch's group counter advanced, no group.
+            distributed_c10d._world.group_count += 1
+        return 0.0, os.environ["RANK"]
+    dist.init_process_group("gloo")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return total.item(), os.environ["RANK"]
+
+
+def test_a_rank_kept_after_a_half_done_init_joins_the_next_group(cluster):
+    """Found by bench_soak: a restart whose kept rank had a failed init hung for ever."""
+    with distribute(_advance_then_join, num_replicas=2, replicas_per_node=1, timeout=60) as fn:
+        fn("advance")
+        assert fn("join") == [(2.0, "0"), (2.0, "1")]

@@ -179,9 +179,19 @@ def _import_torch() -> None:
 
 
 def _destroy_process_group() -> None:
-    """Leave no default process group behind, so the next call can init again."""
+    """Leave no process group behind, so that the next call's init matches its peers'."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
         with contextlib.suppress(Exception):  # a broken group is discarded either way
             dist.destroy_process_group()
+    # torch names an unnamed group after a counter that only destroying the default
+    # group resets. An init_process_group that failed half-way (a peer died while the
+    # group connected) leaves it advanced: this process would name its next group "1"
+    # while a fresh peer names it "0", and both would wait for each other for ever.
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized():
+        with contextlib.suppress(Exception):
+            world.group_count = 0
