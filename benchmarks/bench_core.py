@@ -1,6 +1,6 @@
 """Core benchmarks: `distribute` against torchrun, 4 ranks on one node, gloo, CPU.
 
-    python -m benchmarks.bench_core                  # everything (about 8 min on 2 cores)
+    python -m benchmarks.bench_core                  # everything (about 16 min on 2 cores)
     python -m benchmarks.bench_core --quick          # fewest repetitions: a smoke check
     python -m benchmarks.bench_core --only warm,shipping --verbose
 

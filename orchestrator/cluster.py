@@ -132,13 +132,16 @@ def check_reachable(address: str, given_as: str) -> None:
 
 _rank_pids: set[int] = set()
 _WORKER_PID = re.compile(r"Worker PID: (\d+)")
+_MANY_WORKERS = "PYTHON worker processes have been started on node"
+"""Ray's warning when many actors start at once: a pool's ranks do, by design."""
 
 
 def quiet_crash_notices(pids: list[int]) -> None:
     """Drop Ray's own "(raylet) A worker died ..." notice for these ranks' processes.
 
-    The crash is reported, with its rank, by our own error; ORCHESTRATOR_VERBOSE=1
-    keeps Ray's notice. Ray offers no switch, so its printer is wrapped (when present).
+    The crash is reported, with its rank, by our own error. Ray's warning that many
+    workers started at once goes too: pools start one per rank. ORCHESTRATOR_VERBOSE=1
+    keeps both. Ray offers no switch, so its printer is wrapped (when present).
     """
     _rank_pids.update(pids)
     if _verbose():
@@ -162,6 +165,8 @@ def quiet_crash_notices(pids: list[int]) -> None:
 
 
 def _ours(line: str) -> bool:
+    if _MANY_WORKERS in line:
+        return True
     match = _WORKER_PID.search(line)
     return match is not None and int(match.group(1)) in _rank_pids
 
