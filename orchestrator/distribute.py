@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import copy
 import itertools
+import math
 import os
 import re
 import sys
@@ -547,12 +548,19 @@ def distribute(
     a rank's process died or its node was lost), up to N times per call; each rank
     reads the attempt number from RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT).
     """
+    bad_log_dir = []
     if log_dir is True:
         folder: Path | None = default_log_dir()
     elif log_dir is False or log_dir is None:
         folder = None
-    else:
+    elif isinstance(log_dir, str | os.PathLike):
         folder = Path(log_dir)
+    else:
+        folder = None
+        bad_log_dir.append(
+            f"log_dir={log_dir!r}: must be True (the default folder), a folder's path, "
+            "or False for no log files"
+        )
     options = Options(
         num_replicas=num_replicas,
         replicas_per_node=replicas_per_node,
@@ -573,7 +581,7 @@ def distribute(
         max_restarts=max_restarts,
         restart_on=restart_on,
     )
-    problems = validate(fn, options)
+    problems = validate(fn, options) + bad_log_dir
     if problems:
         raise ConfigError("invalid arguments to distribute():\n  " + "\n  ".join(problems))
     shipping.check(fn)
@@ -592,10 +600,9 @@ def validate(fn: object, o: Options) -> list[str]:  # noqa: PLR0912 - one check 
         if not _is_int(per_node) or per_node < 1:
             problems.append(f"replicas_per_node={per_node!r}: must be an int >= 1, or None")
         elif _is_int(o.num_replicas) and o.num_replicas >= 1 and o.num_replicas % per_node:
-            divisors = [d for d in range(1, o.num_replicas + 1) if o.num_replicas % d == 0]
             problems.append(
                 f"replicas_per_node={per_node} does not divide num_replicas="
-                f"{o.num_replicas}; valid: {', '.join(map(str, divisors))}"
+                f"{o.num_replicas}; valid: {placement.valid_per_node(o.num_replicas)}"
             )
     for label, value in (
         ("cpus_per_replica", o.cpus_per_replica),
@@ -679,7 +686,8 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite int or float (not a bool, nan or inf)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _at_exit() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import cluster, local
+from orchestrator import cluster, local, placement
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
 from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
@@ -224,10 +224,9 @@ def validate(options: RunOptions) -> list[str]:
         if per_node < 1:
             problems.append(f"--per-node {per_node}: must be at least 1")
         elif options.nproc >= 1 and options.nproc % per_node:
-            valid = [d for d in range(1, options.nproc + 1) if options.nproc % d == 0]
             problems.append(
                 f"--per-node {per_node} does not divide --nproc {options.nproc}; "
-                f"valid: {', '.join(map(str, valid))}"
+                f"valid: {placement.valid_per_node(options.nproc)}"
             )
     if options.timeout is not None and options.timeout <= 0:
         problems.append(f"--timeout {options.timeout:g}: must be a number of seconds > 0")

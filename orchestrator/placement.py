@@ -55,6 +55,26 @@ def layout(num_replicas: int, replicas_per_node: int) -> list[Slot]:
     ]
 
 
+def valid_per_node(num_replicas: int, shown: int = 8) -> str:
+    """The ranks-per-node values that divide `num_replicas`, for a message: a few, if many.
+
+    Found in O(sqrt(n)) steps, so a huge `num_replicas` is answered at once.
+    """
+    small, large = [], []
+    d = 1
+    while d * d <= num_replicas:
+        if num_replicas % d == 0:
+            small.append(d)
+            if d != num_replicas // d:
+                large.append(num_replicas // d)
+        d += 1
+    found = small + large[::-1]
+    if len(found) <= shown:
+        return ", ".join(map(str, found))
+    head = ", ".join(map(str, found[: shown - 1]))
+    return f"{head}, ... {found[-1]} ({len(found)} in all)"
+
+
 def order_bundles(bundle_nodes: Mapping[int, str], first_node: str | None) -> list[int]:
     """Bundle indices in node-rank order: the driver's node first, then by bundle index."""
     return sorted(bundle_nodes, key=lambda b: (bundle_nodes[b] != first_node, b))

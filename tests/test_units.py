@@ -197,6 +197,13 @@ def test_unpicklable_exception_type_still_gives_distributed_error():
         ({"num_replicas": 2, "resources_per_replica": {"GPU": 1}}, "use gpus_per_replica"),
         ({"num_replicas": 2, "name": "has space"}, "name='has space'"),
         ({"num_replicas": 2, "env": {"A": 1}}, "env['A']=1"),
+        ({"num_replicas": 2, "cpus_per_replica": float("nan")}, "cpus_per_replica=nan"),
+        ({"num_replicas": 2, "gpus_per_replica": float("inf")}, "gpus_per_replica=inf"),
+        ({"num_replicas": 2, "timeout": float("inf")}, "timeout=inf"),
+        ({"num_replicas": 2, "log_dir": 123}, "log_dir=123: must be True"),
+        # A huge count: a few divisors, found at once, in a short message.
+        ({"num_replicas": 10**12, "replicas_per_node": 7},
+         "valid: 1, 2, 4, 5, 8, 10, 16, ... 1000000000000 (169 in all)"),
     ],
 )
 def test_bad_arguments_name_the_value_and_what_is_valid(kwargs, fragment):
