@@ -7,6 +7,7 @@ import os
 import pickle
 import re
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +192,7 @@ def script_for(options: RunOptions, *, shipped: bool) -> Script:
                 f"{options.target}: no such file (from {Path.cwd()}); to run a module "
                 "as `python -m` would, use -m NAME"
             )
+        _check_syntax(options.target, path)
         if not path.is_relative_to(root):
             raise LaunchError(
                 f"{options.target} is outside the working dir {root}, which is what every "
@@ -204,6 +206,18 @@ def script_for(options: RunOptions, *, shipped: bool) -> Script:
         cwd=None if shipped else str(root),
         local_rank_arg=options.local_rank_arg,
     )
+
+
+def _check_syntax(given: str, path: Path) -> None:
+    """Compile the script here first: a syntax error is shown at once, as python shows it,
+    instead of by every rank after the cluster started them."""
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        shown = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
+        raise LaunchError(f"{given} does not compile; nothing was started:\n{shown}") from None
+    except (OSError, ValueError):  # unreadable here, or null bytes: the ranks will say
+        pass
 
 
 def job_name(options: RunOptions) -> str:

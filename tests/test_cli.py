@@ -141,6 +141,17 @@ def test_bad_layout_is_reported_in_the_command_line_s_terms(tmp_path, capsys):
     assert "missing.py: no such file" in capsys.readouterr().err
 
 
+def test_a_syntax_error_is_shown_before_anything_starts(tmp_path, monkeypatch, capsys):
+    write(tmp_path, {"broken.py": "import os\n\ndef train(:\n    pass\n"})
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    assert main(["run", "--nproc", "2", "broken.py"]) == 2
+    assert time.monotonic() - started < 1  # no Ray, no rank: compiled here
+    err = capsys.readouterr().err
+    assert "broken.py does not compile; nothing was started" in err, err
+    assert 'broken.py", line 3' in err and "def train(:" in err and "SyntaxError" in err, err
+
+
 def test_size_guard_refuses_before_connecting(tmp_path):
     project = write(tmp_path / "p", {"train.py": "print('never')\n"})
     (project / "data").mkdir()
