@@ -201,12 +201,18 @@ def _ensure_token() -> None:
                 "(`ray get-auth-token --generate`), or unset RAY_AUTH_TOKEN_PATH"
             )
         return
-    if not (Path.home() / ".ray" / "auth_token").exists():
+    folder = Path.home() / ".ray"
+    token = folder / "auth_token"
+    if not token.exists():
         from ray._private.authentication.authentication_token_setup import (
             generate_and_save_token,
         )
 
-        generate_and_save_token()
+        made_folder = not folder.exists()
+        generate_and_save_token()  # Ray writes it 0644, in a 0755 folder if it makes one
+        token.chmod(0o600)  # whoever reads it can join this user's clusters
+        if made_folder:
+            folder.chmod(0o700)
 
 
 def status() -> tuple[str, RuntimeInfo] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import sys
 import time
@@ -134,8 +135,10 @@ class Console:
     def _file(self, rank: int) -> TextIO:
         if rank not in self._files:
             assert self.log_dir is not None
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._files[rank] = (self.log_dir / f"rank-{rank}.log").open("a", encoding="utf-8")
+            private_dirs(self.log_dir)
+            path = self.log_dir / f"rank-{rank}.log"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._files[rank] = open(os.open(path, flags, 0o600), "a", encoding="utf-8")  # noqa: SIM115 - closed by close_logs
         return self._files[rank]
 
     def _emit(self, rank: int, stream: str, lines: list[str]) -> None:
@@ -172,6 +175,21 @@ def _is_tty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def private_dirs(folder: Path) -> None:
+    """Create `folder` and its missing parents readable by this user only (0700).
+
+    Training output can hold data and credentials; folders that exist keep their mode.
+    """
+    missing = []
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another call
+            path.mkdir(mode=0o700)
 
 
 def read_log(log_dir: Path, rank: int) -> str:

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -148,7 +149,11 @@ def runtime() -> Iterator[Runtime]:
     )
     assert started.returncode == 0, started.stdout + started.stderr
     assert "2 warm rank processes" in started.stdout, started.stdout
-    assert (tmp / "home" / ".ray" / "auth_token").exists()  # token auth stays on
+    token = tmp / "home" / ".ray" / "auth_token"
+    assert token.exists()  # token auth stays on
+    # Whoever reads the token can join this user's clusters: this user's alone.
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
     yield rt
     leftover = rt.cli("status")
     pid = re.search(r"\(pid (\d+)", leftover.stdout)

@@ -85,3 +85,17 @@ def test_custom_prefix_and_ray_markers(capsys):
     plain = Console("exp", 1, prefix="")
     plain.write(0, [chunk("stdout", "bare\n")], now=0)
     assert capsys.readouterr().out == "bare\n"
+
+
+def test_log_files_and_the_folders_made_for_them_are_this_users_alone(tmp_path):
+    import stat
+
+    folder = tmp_path / "logs" / "train" / "stamp"
+    console = Console("train", 1, log_dir=folder)
+    console.write(0, [OutputChunk(1, "stdout", b"secret\n")], now=0)
+    console.close_logs()
+    log = folder / "rank-0.log"
+    assert log.read_text() == "secret\n"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    for made in (folder, folder.parent, folder.parent.parent):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
