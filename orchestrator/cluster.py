@@ -106,9 +106,10 @@ def check_reachable(address: str, given_as: str) -> None:
         return
     host = host.strip("[]")
     where = f"no Ray cluster at {given_as}={address!r}"
+    local = "give no address to run on this machine"
     fix = (
         "check that Ray runs there (`ray start --head` prints the address to give) and that "
-        "this machine can reach it, or give no address to run on this machine"
+        f"this machine can reach it, or {local}"
     )
     try:
         with socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S) as sock:
@@ -126,7 +127,7 @@ def check_reachable(address: str, given_as: str) -> None:
         kind = "Ray Client server (ray://)" if scheme else "GCS (`ray start --head --port`)"
         raise ClusterUnreachableError(
             f"{where}: {host}:{port} accepts connections but does not answer as a Ray {kind} "
-            f"would; give the address of the cluster's head, or {fix.split(', or ')[1]}"
+            f"would; give the address of the cluster's head, or {local}"
         )
 
 
