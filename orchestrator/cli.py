@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 import sys
 import textwrap
@@ -12,13 +13,23 @@ from pathlib import Path
 
 from orchestrator import cluster, launch, local
 from orchestrator.errors import OrchestratorError
+from workers import debugger
 
 
 def attach(address: str) -> int:
     """Relay this terminal to the pdb a rank serves at HOST:PORT until it hangs up."""
+    token = os.environ.get(debugger.TOKEN_VAR, "").strip()
+    if not token:
+        print(
+            f"cannot attach to {address!r} without the rank's secret: copy the whole line the "
+            f"rank printed, {debugger.TOKEN_VAR}=... included",
+            file=sys.stderr,
+        )
+        return 2
     host, _, port = address.rpartition(":")
     try:
         conn = socket.create_connection((host, int(port)), timeout=10)
+        conn.sendall(token.encode() + b"\n")
     except (OSError, ValueError) as exc:
         print(f"cannot attach to {address!r}: {exc}", file=sys.stderr)
         return 1
@@ -307,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     attach_cmd = commands.add_parser(
         "attach",
         help="open the pdb session of a rank stopped at breakpoint() or post_mortem",
-        description="Example: orchestrator attach 10.0.0.2:41234 (the address the rank printed)",
+        description=(
+            "Example: ORCHESTRATOR_DEBUG_TOKEN=... orchestrator attach 10.0.0.2:41234 (the "
+            "line the rank printed: its one-time secret comes in the environment, not argv)"
+        ),
     )
     attach_cmd.add_argument("address", help="HOST:PORT printed by the waiting rank")
     _add_local(commands)

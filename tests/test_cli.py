@@ -141,6 +141,12 @@ def test_bad_layout_is_reported_in_the_command_line_s_terms(tmp_path, capsys):
     assert "missing.py: no such file" in capsys.readouterr().err
 
 
+def test_attach_needs_the_rank_s_secret(monkeypatch, capsys):
+    monkeypatch.delenv("ORCHESTRATOR_DEBUG_TOKEN", raising=False)
+    assert main(["attach", "127.0.0.1:9"]) == 2
+    assert "without the rank's secret" in capsys.readouterr().err
+
+
 def test_a_syntax_error_is_shown_before_anything_starts(tmp_path, monkeypatch, capsys):
     write(tmp_path, {"broken.py": "import os\n\ndef train(:\n    pass\n"})
     monkeypatch.chdir(tmp_path)

@@ -392,17 +392,29 @@ def test_stacks_on_demand_while_a_call_runs(cluster):
     fn.shutdown()
 
 
-def _attach_and_talk(capfd, commands: list[str]) -> str:
-    """Wait for a rank's attach line, then drive its pdb with `commands`."""
+def _attach_and_talk(capfd, commands: list[str], *, intruders: bool = False) -> str:
+    """Wait for a rank's attach line, then drive its pdb with `commands`.
+
+    With `intruders`, first a port scan (connect, hang up), a wrong secret and a client
+    that says nothing: each is hung up on unanswered, and the rank keeps waiting.
+    """
     import re
     import socket
 
     seen = ""
     deadline = time.monotonic() + 60
-    while (match := re.search(r"orchestrator attach ([\d.]+):(\d+)", seen)) is None:
+    line = r"DEBUG_TOKEN=([0-9a-f]{32}) python -m orchestrator attach ([\d.]+):(\d+)"
+    while (match := re.search(line, seen)) is None:
         assert time.monotonic() < deadline, seen
         time.sleep(0.2)
         seen += capfd.readouterr().err
+    token, host, port = match.group(1), match.group(2), int(match.group(3))
+    if intruders:
+        socket.create_connection((host, port), timeout=10).close()  # a port scanner
+        for hello in (b"0" * 32 + b"\n", b""):  # a guess; and silence until hung up on
+            with socket.create_connection((host, port), timeout=30) as conn:
+                conn.sendall(hello)
+                assert conn.recv(4096) == b""  # not one byte of pdb
 
     def until_prompt(conn: socket.socket) -> bytes:
         data = b""
@@ -413,7 +425,8 @@ def _attach_and_talk(capfd, commands: list[str]) -> str:
             data += chunk
         return data
 
-    with socket.create_connection((match.group(1), int(match.group(2))), timeout=30) as conn:
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(token.encode() + b"\n")
         transcript = until_prompt(conn)
         for command in commands:
             conn.sendall(command.encode() + b"\n")
@@ -434,7 +447,7 @@ def test_breakpoint_on_one_rank_opens_a_debugger_the_driver_can_attach_to(cluste
     results: list[list[int]] = []
     call = threading.Thread(target=lambda: results.append(fn()))
     call.start()
-    transcript = _attach_and_talk(capfd, ["p secret + 1", "c"])
+    transcript = _attach_and_talk(capfd, ["p secret + 1", "c"], intruders=True)
     call.join(timeout=60)
     assert results == [[42, 42]]
     assert "43" in transcript

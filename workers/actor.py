@@ -18,7 +18,6 @@ import ray
 from workers import debugger, environment, script, sharing, stacks
 from workers.capture import Capture
 from workers.protocol import NodeInfo, OutputChunk, Payload, RankFailure, RankResult, RankSpec
-from workers.tail import tail_path
 
 CONCURRENCY_GROUPS = {"control": 4}
 """Calls that must be answered while `run` is busy (output, stacks) use this group."""
@@ -60,7 +59,7 @@ class RankActor:
             pid=os.getpid(),
             gpu_ids=gpus,
             interface=environment.interface_for_ip(self._node_ip),
-            tail_path=str(tail_path(os.getpid())),
+            tail_path=self._capture.tail,
             niceness=os.getpriority(os.PRIO_PROCESS, 0),
         )
 

@@ -13,7 +13,7 @@ import threading
 import time
 
 from workers.protocol import OutputChunk
-from workers.tail import frame, tail_path
+from workers.tail import UnsafeFolderError, frame, tail_path
 
 _READ = 1 << 16
 _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
@@ -64,9 +64,12 @@ class Capture:
         tee, self._tee = os.pipe()
         os.set_blocking(self._tee, False)  # the copy is best effort: never block the rank
         out_fd, err_fd = self._pipes
-        argv = [sys.executable, "-m", "workers.tail", str(tail_path(os.getpid()))]
-        argv += [str(out_fd), str(err_fd), str(tee), str(lifeline)]
+        self.tail = ""
+        """Where the keeper leaves this rank's last output if it dies; '' without a keeper."""
         try:
+            path = str(tail_path(os.getpid()))  # refused where the folder is not ours
+            argv = [sys.executable, "-m", "workers.tail", path]
+            argv += [str(out_fd), str(err_fd), str(tee), str(lifeline)]
             self._keeper = subprocess.Popen(
                 argv,
                 pass_fds=(out_fd, err_fd, tee, lifeline),
@@ -75,10 +78,14 @@ class Capture:
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        except OSError:  # without it, a crash loses its last few lines
+            self.tail = path
+        except OSError as exc:  # without it, a crash loses its last few lines
             self._keeper = None
             os.close(self._tee)
             self._tee = -1
+            if isinstance(exc, UnsafeFolderError):
+                print(f"[orchestrator] a crash's last lines will not be kept: {exc}",
+                      file=sys.stderr, flush=True)
         os.close(lifeline)
         os.close(tee)
 
