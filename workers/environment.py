@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import socket
 import struct
@@ -47,8 +48,13 @@ def default_threads(spec: RankSpec) -> int:
     return reserved if spec.ranks_on_node > 1 else max(reserved, physical_cores())
 
 
+@functools.cache
 def physical_cores() -> int:
-    """Cores this process may run on, hyperthreads of one core counted once (as torch does)."""
+    """Cores this process may run on, hyperthreads of one core counted once (as torch does).
+
+    Read once per process: every call builds the rank's environment, and a big machine
+    has hundreds of topology files.
+    """
     cores = set()
     for cpu in os.sched_getaffinity(0):
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")

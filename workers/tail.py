@@ -42,9 +42,11 @@ def private_dir() -> Path:
     others may write in, or a symlink) is refused: its files could be read, planted or
     redirected by them.
     """
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) if runtime and os.path.isdir(runtime) else Path(tempfile.gettempdir())
-    folder = base / ("orchestrator" if runtime else f"orchestrator-{os.getuid()}")
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isdir(runtime):
+        folder = Path(runtime) / "orchestrator"
+    else:  # the shared temp dir: the uid in the name keeps users apart
+        folder = Path(tempfile.gettempdir()) / f"orchestrator-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
     found = os.lstat(folder)
