@@ -25,7 +25,7 @@ from orchestrator.errors import (
 )
 from orchestrator.pool import Pool, StopRequested
 from workers import sharing
-from workers.capture import EXIT_STREAM
+from workers.capture import EXIT_STREAM, STATE_STREAM
 from workers.protocol import OutputChunk, Payload, RankFailure, RankResult, RankSpec
 from workers.tail import read_tail
 
@@ -104,6 +104,7 @@ class Call:
         self.owed: dict[int, int] = {}  # rank -> output seq to show before it counts as done
         self.results: dict[int, Any] = {}
         self.failures: list[RankFailure] = []
+        self.waits_on: dict[int, str] = {}  # rank -> what it waits on (a debugger), if anything
         self.gather_until: float | None = None
         self.time_limit = None if timeout is None else time.monotonic() + timeout
 
@@ -127,19 +128,19 @@ class Call:
                 if ready in self.runs:
                     self._take(_outcome(self.pool, self.runs.pop(ready), ready))
                 else:
-                    _show(self.pool, draining[ready], ready)
+                    self._show(draining[ready], ready)
         console.flush()
         if self.failures:
             raise distributed_error(self.failures, console.log_dir)
         return [self.results[rank] for rank in range(len(self.pool.actors))]
 
     def rank_state(self, rank: int, *, stopped: bool) -> str:
-        """finished, failed, running; or `stopped` when the call ended without it."""
+        """finished, failed, running (or what it waits on); `stopped` when the call ended."""
         if rank in self.results:
             return "finished"
         if any(f.rank == rank for f in self.failures):
             return "failed"
-        return "stopped" if stopped else "running"
+        return "stopped" if stopped else self.waits_on.get(rank) or "running"
 
     def settle(self, timeout: float) -> None:
         """After a failure: wait up to `timeout` s for ranks still running to return."""
@@ -206,6 +207,23 @@ class Call:
         if outcome.next_master_port is not None:
             self.pool.next_port = outcome.next_master_port
 
+    def _show(self, rank: int, ref: ray.ObjectRef) -> None:
+        pool = self.pool
+        del pool.drains[rank]
+        try:
+            chunks = ray.get(ref)
+        except RayActorError:
+            pool.dead.add(rank)
+            return
+        for chunk in chunks:
+            if chunk.stream == EXIT_STREAM:
+                pool.exit_codes[rank] = int(chunk.data)
+            elif chunk.stream == STATE_STREAM:
+                self.waits_on[rank] = chunk.data.decode()
+        pool.console.write(rank, [c for c in chunks if c.stream not in (EXIT_STREAM, STATE_STREAM)])
+        if chunks:  # the pseudo-streams' chunks count as taken in too
+            pool.console.printed[rank] = max(pool.console.printed[rank], chunks[-1].seq)
+
     def _time_out(self) -> None:
         self.pool.console.flush()
         ranks = range(len(self.pool.actors))
@@ -239,19 +257,6 @@ def stacks(pool: Pool) -> dict[int, str]:
 def _where(pool: Pool, rank: int) -> str:
     info = pool.infos[rank]
     return describe_rank(rank, pool.specs[rank].local_rank, info.node_ip, info.hostname, info.pid)
-
-
-def _show(pool: Pool, rank: int, ref: ray.ObjectRef) -> None:
-    del pool.drains[rank]
-    try:
-        chunks = ray.get(ref)
-    except RayActorError:
-        pool.dead.add(rank)
-        return
-    for chunk in chunks:
-        if chunk.stream == EXIT_STREAM:
-            pool.exit_codes[rank] = int(chunk.data)
-    pool.console.write(rank, [c for c in chunks if c.stream != EXIT_STREAM])
 
 
 def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFailure:

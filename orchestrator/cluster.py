@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import socket
 import sys
 import threading
@@ -17,7 +18,8 @@ from typing import Any
 
 import ray
 
-from orchestrator.errors import ClusterUnreachableError
+from orchestrator.errors import ClusterUnreachableError, ConfigError
+from workers import private
 
 _lock = threading.Lock()
 _embedded = False
@@ -219,6 +221,8 @@ LOCAL_SLOTS = 64
 
 def _start_local(min_cpus: float) -> None:
     cpus = max(LOCAL_SLOTS, int(min_cpus + 0.999))
+    if os.environ.get("RAY_AUTH_MODE", "token") == "token":  # Ray's default for a local start
+        ensure_token(ConfigError)
     # Ray's banner and token notice are noise to a user who did not ask for Ray.
     quiet = logging.getLogger("ray")
     level = quiet.level
@@ -241,6 +245,36 @@ def _start_local(min_cpus: float) -> None:
         f"running locally on an embedded Ray instance ({os.cpu_count()} cores, {gpus} GPUs); "
         "`orchestrator local start` keeps one warm between scripts"
     )
+
+
+def ensure_token(error: type[Exception]) -> None:
+    """Make the token Ray's token mode needs (~/.ray/auth_token) where none is set up.
+
+    For this user alone (0600, in a 0700 ~/.ray when it makes that too): whoever reads it
+    can join this user's clusters. Ray would make it 0644. `error` is raised where the
+    configured token file does not exist.
+    """
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    custom = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if custom:
+        if not Path(custom).expanduser().exists():
+            raise error(
+                f"RAY_AUTH_TOKEN_PATH={custom} does not exist: create the token there "
+                "(`ray get-auth-token --generate`), or unset RAY_AUTH_TOKEN_PATH"
+            )
+        return
+    folder = Path.home() / ".ray"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    made = folder / "auth_token"
+    with (
+        contextlib.suppress(FileExistsError),  # the user's own, as it is
+        os.fdopen(os.open(made, flags, 0o600), "w") as token,
+    ):
+        token.write(secrets.token_hex(32))  # 256 bits, as `ray get-auth-token --generate`
 
 
 NICENESS_VAR = "RAY_worker_niceness"
@@ -307,17 +341,21 @@ def ray_root() -> Path:
     return Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"  # noqa: S108 - Ray's default
 
 
-RUNTIME_RECORD = "orchestrator-local-runtime.json"
-"""File under ray_root(): address, pid and auth mode of `orchestrator local start`'s runtime."""
+def runtime_record_path(address: str) -> Path:
+    """Where `orchestrator local start` records its runtime at `address`: this user's folder."""
+    return private.folder(lasting=True) / f"local-runtime-{address.rpartition(':')[2]}.json"
 
 
-def runtime_record() -> dict[str, Any] | None:
-    """What `orchestrator local start` recorded about its runtime here, or None."""
+def runtime_record(address: str) -> dict[str, Any] | None:
+    """What `orchestrator local start` recorded about its runtime at `address`, or None.
+
+    Only a record this user wrote counts: address, pid and auth mode of the runtime.
+    """
     try:
-        record = json.loads((ray_root() / RUNTIME_RECORD).read_text())
+        record = json.loads(private.read_trusted(runtime_record_path(address)))
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    return record if isinstance(record, dict) and record.get("address") == address else None
 
 
 def local_token(address: str) -> None:
@@ -326,9 +364,8 @@ def local_token(address: str) -> None:
     Ray's drivers send it only in token mode (RAY_AUTH_MODE=token); without it they
     retry for 20 s, then fail with InvalidAuthToken. Other clusters are left to Ray.
     """
-    record = runtime_record()
-    ours = record is not None and record.get("address") == address
-    if ours and record.get("auth") == "token" and "RAY_AUTH_MODE" not in os.environ:
+    record = runtime_record(address)
+    if record is not None and record.get("auth") == "token" and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
         try:  # Ray read its config at import: have it read the variable again
             from ray._raylet import AuthenticationTokenLoader, Config
@@ -340,10 +377,23 @@ def local_token(address: str) -> None:
 
 
 def local_cluster() -> tuple[str | None, Path | None]:
-    """(address of a live `ray start` cluster on this machine, path of a stale record)."""
-    tmp = ray_root() / "ray_current_cluster"
+    """(address of a live `ray start` cluster on this machine, path of a stale record).
+
+    Ray names it in a file of its shared temp folder, which any user may write in: a
+    file another user made (they would receive the script's code and data) is ignored,
+    and the user is told why.
+    """
+    path = ray_root() / "ray_current_cluster"
     try:
-        address = tmp.read_text().strip()
+        address = private.read_trusted(path).strip()
+    except private.UntrustedFileError as exc:
+        if str(exc) not in _ignored:
+            _ignored.add(str(exc))
+            say(
+                f"not using the Ray cluster named in {path}: {exc}. Give its address "
+                "(address= or RAY_ADDRESS) if you trust it"
+            )
+        return None, None
     except OSError:
         return None, None
     host, _, port = address.rpartition(":")
@@ -351,7 +401,11 @@ def local_cluster() -> tuple[str | None, Path | None]:
         with socket.create_connection((host, int(port)), timeout=1):
             return address, None
     except (OSError, ValueError):
-        return None, tmp
+        return None, path
+
+
+_ignored: set[str] = set()
+"""Untrusted address files already reported by this process."""
 
 
 def _verbose() -> bool:

@@ -17,6 +17,7 @@ from orchestrator.call import stacks
 from orchestrator.errors import summary
 from orchestrator.logs import read_log
 from orchestrator.notebook import CellOutput
+from workers import debugger
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
@@ -36,7 +37,8 @@ class RankStatus:
 
     rank: int
     state: str
-    """queued, pending (placement), starting, running, finished, failed, stopped, cancelled."""
+    """queued, pending (placement), starting, running, finished, failed, stopped, cancelled;
+    while it stops at a breakpoint, "waiting for a debugger" and then "in a debugger"."""
     node_ip: str | None = None
     pid: int | None = None
 
@@ -51,7 +53,8 @@ class JobStatus:
     starting (actors starting), running, finished, failed, or cancelled."""
     ranks: tuple[RankStatus, ...]
     waiting_for: str | None = None
-    """While pending: what it needs and what the cluster has free now."""
+    """While pending: what it needs and what the cluster has free now. While running:
+    which ranks wait for a debugger to attach."""
     restarts: int = 0
     """How many times the job was restarted (max_restarts); the attempt is restarts + 1."""
     failed_attempts: tuple[str, ...] = ()
@@ -136,6 +139,10 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
                 RankStatus(rank, state, info.node_ip if info else None, info.pid if info else None)
             )
         waiting = self._waiting_for if phase == PENDING else None
+        stopped = [r.rank for r in ranks if r.state == debugger.WAITING]
+        if stopped and phase == RUNNING:
+            which = f"rank {stopped[0]} waits" if len(stopped) == 1 else f"ranks {stopped} wait"
+            waiting = f"{which} for a debugger (the attach command is in the output)"
         attempts = tuple(self._failed_attempts)
         return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts)
 

@@ -179,14 +179,17 @@ def check_upload(root: Path, excludes: Sequence[str], limit: int) -> Measurement
 
 
 def script_for(options: RunOptions, *, shipped: bool) -> Script:
-    """What every rank runs; the script's path relative to the working dir when shipped."""
-    root = options.working_dir.absolute()
+    """What every rank runs; the script's path relative to the working dir when shipped.
+
+    Paths are compared resolved (`..` and symlinks followed), as the ranks would open them.
+    """
+    root = options.working_dir.resolve()
     if not root.is_dir():
         raise LaunchError(f"--working-dir {options.working_dir}: no such folder")
     if options.module:
         target = options.target
     else:
-        path = Path(options.target).absolute()
+        path = Path(options.target).resolve()
         if not path.is_file():
             raise LaunchError(
                 f"{options.target}: no such file (from {Path.cwd()}); to run a module "

@@ -23,6 +23,7 @@ import ray
 
 from orchestrator import cluster
 from orchestrator.errors import ConfigError, OrchestratorError
+from workers import private
 from workers.spares import (
     BROKER_NAME,
     NAMESPACE,
@@ -117,9 +118,8 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         )
     auth = os.environ.get("RAY_AUTH_MODE", "token")  # on unless the user turned it off
     if auth == "token":
-        _ensure_token()
-    log = _log_path()
-    log.parent.mkdir(parents=True, exist_ok=True)
+        cluster.ensure_token(LocalRuntimeError)
+    log = _log_path(port)
     command = [
         *_ray_command(),
         "start",
@@ -130,7 +130,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         "--include-dashboard=false",
         "--disable-usage-stats",
     ]
-    with log.open("w") as out:
+    with os.fdopen(private.create(log), "w") as out:
         process = subprocess.Popen(
             command,
             stdout=out,
@@ -145,10 +145,11 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
             },
             start_new_session=True,  # a Ctrl-C in this terminal later must not stop it
         )
+    record: Path | None = None
     try:
         address = _wait_for_head(process, log)
-        record = cluster.ray_root() / cluster.RUNTIME_RECORD
-        record.write_text(json.dumps({"address": address, "pid": process.pid, "auth": auth}))
+        record = cluster.runtime_record_path(address)
+        private.write(record, json.dumps({"address": address, "pid": process.pid, "auth": auth}))
         cluster.connect(address)
         broker = RemoteBroker.options(
             name=BROKER_NAME, namespace=NAMESPACE, lifetime="detached"
@@ -160,7 +161,8 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
                 return info
             time.sleep(0.2)
     except BaseException:
-        (cluster.ray_root() / cluster.RUNTIME_RECORD).unlink(missing_ok=True)
+        if record is not None:
+            record.unlink(missing_ok=True)
         process.terminate()
         process.wait(30)
         raise
@@ -170,15 +172,21 @@ def stop() -> int:
     """Stop the runtime's Ray processes; the pid that was stopped."""
     live, _ = cluster.local_cluster()
     info = _runtime(live) if live else None
-    record = cluster.runtime_record()
+    record = cluster.runtime_record(live) if live else None
     pid = info.runtime_pid if info else None
-    if pid is None and live and record and record.get("address") == live:
+    if pid is None and record:
         pid = int(record["pid"])  # its broker is gone, its Ray is not
-    if pid is None:
+    if pid is None or live is None:
         where = f"the Ray cluster at {live} was not started by it" if live else "no Ray runs here"
         raise LocalRuntimeError(f"no local runtime is running ({where})")
+    why_not = _not_ours(pid, live)
+    if why_not:
+        raise LocalRuntimeError(
+            f"not stopping pid {pid}: {why_not}. It is not this user's `ray start` for {live}; "
+            "stop that runtime as the user who started it"
+        )
     ray.shutdown()
-    (cluster.ray_root() / cluster.RUNTIME_RECORD).unlink(missing_ok=True)
+    cluster.runtime_record_path(live).unlink(missing_ok=True)
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)  # `ray start --block` stops what it started
     deadline = time.monotonic() + 60
@@ -189,30 +197,22 @@ def stop() -> int:
     return pid
 
 
-def _ensure_token() -> None:
-    """Make the token Ray's token mode needs (~/.ray/auth_token) where none is set up."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return
-    custom = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if custom:
-        if not Path(custom).expanduser().exists():
-            raise LocalRuntimeError(
-                f"RAY_AUTH_TOKEN_PATH={custom} does not exist: create the token there "
-                "(`ray get-auth-token --generate`), or unset RAY_AUTH_TOKEN_PATH"
-            )
-        return
-    folder = Path.home() / ".ray"
-    token = folder / "auth_token"
-    if not token.exists():
-        from ray._private.authentication.authentication_token_setup import (
-            generate_and_save_token,
-        )
-
-        made_folder = not folder.exists()
-        generate_and_save_token()  # Ray writes it 0644, in a 0755 folder if it makes one
-        token.chmod(0o600)  # whoever reads it can join this user's clusters
-        if made_folder:
-            folder.chmod(0o700)
+def _not_ours(pid: int, address: str) -> str | None:
+    """Why process `pid` is not this user's `ray start --head --block` for `address`, or None."""
+    proc = Path(f"/proc/{pid}")
+    if not Path("/proc/self").exists():  # not Linux: nothing to check it with
+        return None
+    try:
+        owner = proc.stat().st_uid
+        argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "no such process"
+    if owner != os.getuid():
+        return f"it belongs to uid {owner}, not to this user (uid {os.getuid()})"
+    wanted = ("start", "--head", "--block", f"--port={address.rpartition(':')[2]}")
+    if not all(part in argv for part in wanted):
+        return f"its command line is not `ray {' '.join(wanted)}`: {' '.join(argv).strip()}"
+    return None
 
 
 def status() -> tuple[str, RuntimeInfo] | None:
@@ -263,8 +263,9 @@ def _ray_command() -> list[str]:
     return [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
 
 
-def _log_path() -> Path:
-    return cluster.ray_root() / "orchestrator-local.log"
+def _log_path(port: int) -> Path:
+    """`ray start`'s output, in this user's folder (Ray's own is open to every user)."""
+    return private.folder(lasting=True) / f"local-runtime-{port}.log"
 
 
 def _alive(pid: int) -> bool:

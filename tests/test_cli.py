@@ -433,3 +433,19 @@ def test_max_restarts_restarts_a_crashed_script(cluster, tmp_path):
     assert "[flaky] attempt 1 failed: rank 1" in proc.stderr, show(proc)
     assert sorted(re.findall(r"\[flaky r(\d)\] attempt 1 done", proc.stdout)) == ["0", "1"]
     assert "attempt 0 done" not in proc.stdout
+
+
+def test_path_checks_follow_dots_and_symlinks(tmp_path, monkeypatch):
+    """What the working dir holds is decided on resolved paths, as the ranks open them."""
+    from orchestrator.launch import RunOptions, script_for
+
+    write(tmp_path, {"outside.py": "", "proj/inside.py": "", "proj/sub/x.py": ""})
+    project = tmp_path / "proj"
+    (project / "linked.py").symlink_to(tmp_path / "outside.py")
+    (project / "alias.py").symlink_to(project / "sub" / "x.py")
+    monkeypatch.chdir(project)
+    for sneaky in ("../outside.py", "sub/../../outside.py", "linked.py"):
+        with pytest.raises(LaunchError, match="outside the working dir"):
+            script_for(RunOptions(sneaky, working_dir=project), shipped=True)
+    assert script_for(RunOptions("sub/../inside.py"), shipped=True).target == "inside.py"
+    assert script_for(RunOptions("alias.py"), shipped=True).target == "sub/x.py"

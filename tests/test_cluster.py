@@ -392,14 +392,9 @@ def test_stacks_on_demand_while_a_call_runs(cluster):
     fn.shutdown()
 
 
-def _attach_and_talk(capfd, commands: list[str], *, intruders: bool = False) -> str:
-    """Wait for a rank's attach line, then drive its pdb with `commands`.
-
-    With `intruders`, first a port scan (connect, hang up), a wrong secret and a client
-    that says nothing: each is hung up on unanswered, and the rank keeps waiting.
-    """
+def _attach_line(capfd) -> tuple[str, str, int]:
+    """(secret, host, port) from the attach line a waiting rank prints."""
     import re
-    import socket
 
     seen = ""
     deadline = time.monotonic() + 60
@@ -408,13 +403,32 @@ def _attach_and_talk(capfd, commands: list[str], *, intruders: bool = False) -> 
         assert time.monotonic() < deadline, seen
         time.sleep(0.2)
         seen += capfd.readouterr().err
-    token, host, port = match.group(1), match.group(2), int(match.group(3))
-    if intruders:
-        socket.create_connection((host, port), timeout=10).close()  # a port scanner
-        for hello in (b"0" * 32 + b"\n", b""):  # a guess; and silence until hung up on
-            with socket.create_connection((host, port), timeout=30) as conn:
-                conn.sendall(hello)
-                assert conn.recv(4096) == b""  # not one byte of pdb
+    return match.group(1), match.group(2), int(match.group(3))
+
+
+def _intrude(host: str, port: int) -> None:
+    """A port scan (connect, hang up), a wrong secret, and a client that says nothing:
+    each is hung up on without one byte of pdb."""
+    import socket
+
+    socket.create_connection((host, port), timeout=10).close()
+    for hello in (b"0" * 32 + b"\n", b""):  # a guess; and silence until hung up on
+        with socket.create_connection((host, port), timeout=30) as conn:
+            conn.sendall(hello)
+            assert conn.recv(4096) == b""
+
+
+def _rank_state(job, rank: int, wanted: str) -> None:
+    """Wait until job.status() shows rank `rank` in state `wanted` (it comes with the output)."""
+    deadline = time.monotonic() + 30
+    while (state := job.status().ranks[rank].state) != wanted:
+        assert time.monotonic() < deadline, (state, wanted)
+        time.sleep(0.1)
+
+
+def _talk(host: str, port: int, token: str, commands: list[str], on_prompt=None) -> str:
+    """Attach with `token` and drive the rank's pdb with `commands`; the transcript."""
+    import socket
 
     def until_prompt(conn: socket.socket) -> bytes:
         data = b""
@@ -428,6 +442,8 @@ def _attach_and_talk(capfd, commands: list[str], *, intruders: bool = False) -> 
     with socket.create_connection((host, port), timeout=30) as conn:
         conn.sendall(token.encode() + b"\n")
         transcript = until_prompt(conn)
+        if on_prompt is not None:
+            on_prompt()
         for command in commands:
             conn.sendall(command.encode() + b"\n")
             transcript += until_prompt(conn)
@@ -435,8 +451,6 @@ def _attach_and_talk(capfd, commands: list[str], *, intruders: bool = False) -> 
 
 
 def test_breakpoint_on_one_rank_opens_a_debugger_the_driver_can_attach_to(cluster, capfd):
-    import threading
-
     def stop_on_rank_1() -> int:
         secret = 6 * 7
         if os.environ["RANK"] == "1":
@@ -444,14 +458,40 @@ def test_breakpoint_on_one_rank_opens_a_debugger_the_driver_can_attach_to(cluste
         return secret
 
     fn = distribute(stop_on_rank_1, num_replicas=2, replicas_per_node=1)
-    results: list[list[int]] = []
-    call = threading.Thread(target=lambda: results.append(fn()))
-    call.start()
-    transcript = _attach_and_talk(capfd, ["p secret + 1", "c"], intruders=True)
-    call.join(timeout=60)
-    assert results == [[42, 42]]
+    job = fn.submit()
+    token, host, port = _attach_line(capfd)
+    _rank_state(job, 1, "waiting for a debugger")
+    status = job.status()
+    assert status.state == "running" and status.ranks[0].state == "finished", status
+    assert "rank 1 waits for a debugger" in str(status), status
+    _intrude(host, port)  # the rank keeps waiting for the real client
+    assert job.status().ranks[1].state == "waiting for a debugger" and not job.done()
+    transcript = _talk(
+        host, port, token, ["p secret + 1", "c"],
+        on_prompt=lambda: _rank_state(job, 1, "in a debugger"),
+    )
+    assert job.result(timeout=60) == [42, 42]
     assert "43" in transcript
+    assert job.status().ranks[1].state == "finished"
     fn.shutdown()
+
+
+def test_a_rank_waiting_for_a_debugger_is_stopped_by_the_call_s_timeout(cluster, capfd):
+    def stop_on_rank_0() -> int:
+        if os.environ["RANK"] == "0":
+            breakpoint()
+        return 1
+
+    fn = distribute(stop_on_rank_0, num_replicas=2, replicas_per_node=1, timeout=8)
+    job = fn.submit()
+    _, host, port = _attach_line(capfd)
+    _rank_state(job, 0, "waiting for a debugger")
+    _intrude(host, port)
+    with pytest.raises(JobTimeoutError) as info:
+        job.result(timeout=60)
+    assert "_accept_with" in info.value.stacks[0]  # where it was: waiting for the secret
+    fn.shutdown()
+    wait_resources_back()
 
 
 def test_post_mortem_opens_the_failing_frame(cluster, capfd):
@@ -474,7 +514,8 @@ def test_post_mortem_opens_the_failing_frame(cluster, capfd):
 
     caller = threading.Thread(target=call)
     caller.start()
-    transcript = _attach_and_talk(capfd, ["p culprit", "c"])
+    token, host, port = _attach_line(capfd)
+    transcript = _talk(host, port, token, ["p culprit", "c"])
     caller.join(timeout=60)
     assert "{'lr': -1}" in transcript
     assert len(errors) == 1 and isinstance(errors[0], ValueError)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -168,8 +169,13 @@ def _left_behind(tmp: Path, within: float = 20) -> list[str]:
 
 def test_used_by_line_runs_unchanged_on_a_laptop_without_gpus(fresh_env):
     env, tmp = fresh_env
-    _check(_run(env, tmp))
+    home = tmp / "home"  # a fresh machine's: no Ray token yet
+    _check(_run({**env, "HOME": str(home)}, tmp))
     assert _left_behind(tmp) == []
+    # Token auth is on, with a token for this user's eyes (Ray would make it 0644 in 0755).
+    token = home / ".ray" / "auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
 
 
 def test_a_script_that_exits_mid_job_stops_it_then_ray(fresh_env):

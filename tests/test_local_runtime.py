@@ -23,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_trust import readable_by_other_user
+from workers import private
+
 ROOT = Path(__file__).resolve().parent.parent
 
 DRIVER = textwrap.dedent("""\
@@ -141,12 +144,12 @@ def runtime() -> Iterator[Runtime]:
     HOME is empty, as on a fresh machine: no Ray token exists until `local start` makes one.
     """
     tmp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
+    tmp.chmod(0o755)  # other users may enter it, as they may a home folder
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
     env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT), HOME=str(tmp / "home"))
     rt = Runtime(env, tmp)
-    started = rt.cli(
-        "start", "--spares", "2", "--port", str(_free_port()), "--cpus", "8", timeout=180
-    )
+    port = _free_port()
+    started = rt.cli("start", "--spares", "2", "--port", str(port), "--cpus", "8", timeout=180)
     assert started.returncode == 0, started.stdout + started.stderr
     assert "2 warm rank processes" in started.stdout, started.stdout
     token = tmp / "home" / ".ray" / "auth_token"
@@ -154,6 +157,14 @@ def runtime() -> Iterator[Runtime]:
     # Whoever reads the token can join this user's clusters: this user's alone.
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    if os.getuid() == 0:
+        assert not readable_by_other_user(token)
+    # Its record (trusted for the auth mode and the pid `stop` signals) and its log are in
+    # this user's own folder, not in Ray's, where every user may write.
+    assert not list((tmp / "ray").glob("orchestrator*"))
+    for made in (f"local-runtime-{port}.json", f"local-runtime-{port}.log"):
+        path = private.folder(lasting=True) / made
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o600, path
     yield rt
     leftover = rt.cli("status")
     pid = re.search(r"\(pid (\d+)", leftover.stdout)
@@ -162,6 +173,7 @@ def runtime() -> Iterator[Runtime]:
     for spare in _spare_pids(tmp):
         os.kill(spare, signal.SIGKILL)
     shutil.rmtree(tmp, ignore_errors=True)
+    (private.folder(lasting=True) / f"local-runtime-{port}.log").unlink(missing_ok=True)
 
 
 def test_a_fresh_script_runs_its_ranks_in_warm_spares(runtime: Runtime) -> None:

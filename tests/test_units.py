@@ -348,21 +348,21 @@ def test_shared_copy_falls_back_to_private_copies_and_removes_stale_files(monkey
 def test_files_ranks_leave_go_in_a_folder_of_this_user_alone(tmp_path, monkeypatch):
     import stat
 
-    from workers import tail
+    from workers import private, tail
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    folder = tail.private_dir()
+    folder = private.folder()
     assert folder == tmp_path / "orchestrator"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert tail.tail_path(42) == folder / "tail-42.json"
     folder.chmod(0o777)  # others may write there now: plant, read or redirect files
-    with pytest.raises(tail.UnsafeFolderError, match="not this user's private folder"):
-        tail.private_dir()
+    with pytest.raises(private.UnsafeFolderError, match="not this user's private folder"):
+        private.folder()
     folder.rmdir()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
     folder.symlink_to(elsewhere)  # a planted link
-    with pytest.raises(tail.UnsafeFolderError):
-        tail.private_dir()
+    with pytest.raises(private.UnsafeFolderError):
+        private.folder()
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert tail.private_dir().name == f"orchestrator-{os.getuid()}"  # in the temp dir
+    assert private.folder().name == f"orchestrator-{os.getuid()}"  # in the temp dir

@@ -12,8 +12,9 @@ import sys
 import threading
 import time
 
+from workers.private import UnsafeFolderError
 from workers.protocol import OutputChunk
-from workers.tail import UnsafeFolderError, frame, tail_path
+from workers.tail import STREAMS, frame, tail_path
 
 _READ = 1 << 16
 _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
@@ -22,7 +23,19 @@ RAY_MARKERS = (b":actor_name:", b":task_name:", b":job_id:")
 """Lines Ray's worker writes to its stdout/stderr at each task, for its own log files."""
 EXIT_STREAM = "exit"
 """The pseudo-stream of the chunk that carries the status a rank passed to os._exit."""
+STATE_STREAM = "state"
+"""The pseudo-stream of chunks that say what a rank waits on, e.g. a debugger ('' when nothing)."""
 _EXIT_GRACE_S = 1.0  # how long os._exit waits for the driver to take the last output
+
+
+_active: Capture | None = None
+
+
+def tell_driver(state: str) -> None:
+    """Say, after the output so far, what this rank waits on beyond its work; '' when done."""
+    if _active is not None:
+        _active.sync()
+        _active._append(STATE_STREAM, state.encode())
 
 
 class Capture:
@@ -34,6 +47,8 @@ class Capture:
 
     def __init__(self) -> None:
         """Redirect fds 1 and 2 now and start the reading thread."""
+        global _active  # noqa: PLW0603 - one capture per rank process
+        _active = self
         self._cond = threading.Condition()
         self._chunks: list[OutputChunk] = []
         self._buffered = 0
@@ -183,7 +198,7 @@ class Capture:
         with self._cond:
             self._seq += 1
             self._chunks.append(OutputChunk(self._seq, stream, data))
-            if self._tee >= 0 and stream != EXIT_STREAM:
+            if self._tee >= 0 and stream in STREAMS:
                 with contextlib.suppress(OSError):  # full: the keeper lags, skip the copy
                     os.write(self._tee, frame(self._seq, stream, data))
             self._buffered += len(data)

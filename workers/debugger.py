@@ -17,9 +17,13 @@ import socket
 import sys
 from types import FrameType, TracebackType
 
+from workers import capture
+
 TOKEN_VAR = "ORCHESTRATOR_DEBUG_TOKEN"  # noqa: S105 - a variable's name, not a secret
 """Where `orchestrator attach` reads the secret (not its argv: `ps` shows that to all)."""
 ATTACH_HINT = f"{TOKEN_VAR}={{token}} python -m orchestrator attach {{host}}:{{port}}"
+WAITING, ATTACHED = "waiting for a debugger", "in a debugger"
+"""A rank's states while it stops at a breakpoint (job.status() shows them)."""
 _HELLO_TIMEOUT_S = 10.0
 """How long a client may take to send the secret before it is hung up on."""
 
@@ -40,8 +44,10 @@ class RemotePdb(pdb.Pdb):
             file=sys.__stderr__,
             flush=True,
         )
+        capture.tell_driver(WAITING)
         conn = _accept_with(self._listener, token)
         self._listener.close()  # one session per stop: the secret is spent
+        capture.tell_driver(ATTACHED)
         self._conn = conn
         self._file = conn.makefile("rw", buffering=1, encoding="utf-8", errors="replace")
         super().__init__(stdin=self._file, stdout=self._file)
@@ -53,6 +59,7 @@ class RemotePdb(pdb.Pdb):
         for closable in (self._file, self._conn, self._listener):
             with contextlib.suppress(OSError):
                 closable.close()
+        capture.tell_driver("")
 
     def do_continue(self, arg: str) -> bool | None:
         """Continue, and hang up once no breakpoint is left."""

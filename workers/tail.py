@@ -14,12 +14,12 @@ import contextlib
 import json
 import os
 import select
-import stat
 import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from workers import private
 
 KEEP_S = 10.0
 """How long a dead rank's last output stays on disk for the driver to fetch."""
@@ -30,37 +30,9 @@ HEADER = struct.Struct(">QBI")
 STREAMS = ("stdout", "stderr")
 
 
-class UnsafeFolderError(OSError):
-    """A folder this user's files would go in is another user's, or others may write in it."""
-
-
-def private_dir() -> Path:
-    """This user's own folder for the files ranks leave on a node: made 0700, else checked.
-
-    $XDG_RUNTIME_DIR/orchestrator where the session has one, else
-    orchestrator-UID in the temp dir. A folder there that another user made (or that
-    others may write in, or a symlink) is refused: its files could be read, planted or
-    redirected by them.
-    """
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isdir(runtime):
-        folder = Path(runtime) / "orchestrator"
-    else:  # the shared temp dir: the uid in the name keeps users apart
-        folder = Path(tempfile.gettempdir()) / f"orchestrator-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        folder.mkdir(mode=0o700)
-    found = os.lstat(folder)
-    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
-        raise UnsafeFolderError(
-            f"{folder} is not this user's private folder (owner uid {found.st_uid}, mode "
-            f"{stat.S_IMODE(found.st_mode):o}); remove it, or set XDG_RUNTIME_DIR"
-        )
-    return folder
-
-
 def tail_path(pid: int) -> Path:
     """Where the rank with process id `pid` leaves its last output when it dies."""
-    return private_dir() / f"tail-{pid}.json"
+    return private.folder() / f"tail-{pid}.json"
 
 
 def frame(seq: int, stream: str, data: bytes) -> bytes:
@@ -116,14 +88,19 @@ def main(path: str, out_fd: int, err_fd: int, tee_fd: int, lifeline: int) -> Non
         if data:
             saved.append([0, stream, data.decode("utf-8", errors="replace")])
     target = Path(path)
-    partial = target.with_suffix(".part")
-    partial.unlink(missing_ok=True)  # a dead keeper's, in our own folder
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(partial, flags, 0o600), "w", encoding="utf-8") as out:
-        out.write(json.dumps(saved))
-    partial.replace(target)
+    private.write(target, json.dumps(saved))
+    _sweep(target.parent)
     time.sleep(KEEP_S)
     target.unlink(missing_ok=True)
+
+
+def _sweep(folder: Path) -> None:
+    """Remove copies that keepers killed before their time (e.g. with their node) left."""
+    old = time.time() - 6 * KEEP_S
+    for stale in folder.glob("tail-*.json*"):
+        with contextlib.suppress(OSError):
+            if stale.lstat().st_mtime < old:
+                stale.unlink()
 
 
 if __name__ == "__main__":
