@@ -8,6 +8,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, TypeAlias
 
@@ -23,10 +24,11 @@ from orchestrator.errors import (
     is_secondary,
     timeout_error,
 )
+from orchestrator.logs import Console
 from orchestrator.pool import Pool, StopRequested
 from workers import sharing
 from workers.capture import EXIT_STREAM, STATE_STREAM
-from workers.protocol import OutputChunk, Payload, RankFailure, RankResult, RankSpec
+from workers.protocol import OutputChunk, Payload, RankFailure, RankResult
 from workers.tail import read_tail
 
 Shipment: TypeAlias = bytes | ray.ObjectRef
@@ -60,15 +62,6 @@ def ship(payload: Payload) -> Shipment:
     return ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
 
 
-def _with_sharing(specs: list[RankSpec], nodes: list[str], key: str) -> list[RankSpec]:
-    """Each rank's spec naming this call's copy of large buffers on its node (`nodes`, by
-    rank)."""
-    return [
-        replace(spec, share_key=f"{key}-{node[:16]}")
-        for spec, node in zip(specs, nodes, strict=True)
-    ]
-
-
 class Call:
     """One call on every rank of a pool: ranks still running, output still owed, outcomes.
 
@@ -82,35 +75,57 @@ class Call:
         self,
         pool: Pool,
         shipped: Shipment,
+        console: Console,
+        *,
         timeout: float | None = None,
         stop: threading.Event | None = None,
-        *,
         restart_count: int = 0,
         max_restarts: int = 0,
+        drains: dict[int, ray.ObjectRef] | None = None,
     ) -> None:
-        """Start the shipped function (see `ship`) on every rank of `pool`."""
+        """Start the shipped function (see `ship`) on every rank of `pool`.
+
+        `console` shows and files this call's output. `drains` are output requests an
+        earlier call on the pool left in flight: they carry what the ranks print next.
+        """
         self.pool = pool
+        self.console = console
         self.timeout = timeout
         self.stop = stop or threading.Event()
         self.share_key = uuid.uuid4().hex[:16]
-        nodes = [info.node_id for info in pool.infos]
-        self.share_nodes = set(nodes)
-        specs = pool.specs_for_call(restart_count, max_restarts)
-        specs = _with_sharing(specs, nodes, self.share_key)
+        self.share_nodes = {info.node_id for info in pool.infos}
+        specs = [
+            replace(
+                spec,
+                master_port=pool.store_port,
+                restart_count=restart_count,
+                max_restarts=max_restarts,
+                share_key=f"{self.share_key}-{info.node_id[:16]}",  # this call's copy per node
+            )
+            for spec, info in zip(pool.specs, pool.infos, strict=True)
+        ]
         self.runs = {
             actor.run.remote(pickle.dumps(spec), shipped): spec.rank
             for actor, spec in zip(pool.actors, specs, strict=True)
         }
+        self.drains: dict[int, ray.ObjectRef] = dict(drains or {})
+        """Per rank, the output request in flight (handed on to the next call)."""
+        self.dead: set[int] = set()
+        self.exit_codes: dict[int, int] = {}
+        """Statuses ranks passed to os._exit, as they reported them just before."""
+        self.waits_on: dict[int, str] = {}
+        """Per rank, what it waits on beyond its work (a debugger), if anything."""
+        self.next_port: int | None = None
+        """The rendezvous store rank 0 opened for the next call, once it returned."""
         self.owed: dict[int, int] = {}  # rank -> output seq to show before it counts as done
         self.results: dict[int, Any] = {}
         self.failures: list[RankFailure] = []
-        self.waits_on: dict[int, str] = {}  # rank -> what it waits on (a debugger), if anything
         self.gather_until: float | None = None
         self.time_limit = None if timeout is None else time.monotonic() + timeout
 
     def wait(self) -> list[Any]:
         """Watch every rank until all are done or one failed; results by rank."""
-        console = self.pool.console
+        console = self.console
         while self._busy():
             if self.stop.is_set():
                 raise StopRequested
@@ -120,13 +135,13 @@ class Call:
             if self.time_limit is not None and now >= self.time_limit and self.runs:
                 self._time_out()
             self._request_output()
-            draining = {ref: rank for rank, ref in self.pool.drains.items()}
+            draining = {ref: rank for rank, ref in self.drains.items()}
             wake = [t for t in (self.gather_until, self.time_limit, console.tick(now)) if t]
             for ready in _ready([*self.runs, *draining], min(wake) - now if wake else None):
                 if self.stop.is_set():
                     raise StopRequested
                 if ready in self.runs:
-                    self._take(_outcome(self.pool, self.runs.pop(ready), ready))
+                    self._take(self._outcome(self.runs.pop(ready), ready))
                 else:
                     self._show(draining[ready], ready)
         console.flush()
@@ -148,7 +163,7 @@ class Call:
             return
         done, _ = ray.wait(list(self.runs), num_returns=len(self.runs), timeout=timeout)
         for ref in done:
-            self._take(_outcome(self.pool, self.runs.pop(ref), ref))
+            self._take(self._outcome(self.runs.pop(ref), ref))
 
     def broken_ranks(self) -> set[int]:
         """After a failure: ranks whose actor must be replaced before a restart.
@@ -157,7 +172,7 @@ class Call:
         raised an error of their own (their process may be in a bad state, e.g. CUDA's).
         A rank that finished, or failed only because a peer did, is healthy.
         """
-        broken = set(self.runs.values()) | set(self.pool.dead)
+        broken = set(self.runs.values()) | self.dead
         broken |= {f.rank for f in self.failures if f.exc_type == CRASH or not is_secondary(f)}
         return broken
 
@@ -186,16 +201,15 @@ class Call:
         threading.Thread(target=forget, name="forget buffers", daemon=True).start()
 
     def _busy(self) -> bool:
-        printed, dead = self.pool.console.printed, self.pool.dead
+        printed, dead = self.console.printed, self.dead
         return bool(self.runs) or any(
             printed[rank] < seq for rank, seq in self.owed.items() if rank not in dead
         )
 
     def _request_output(self) -> None:
-        pool = self.pool
-        for rank, actor in enumerate(pool.actors):
-            if rank not in pool.drains and rank not in pool.dead:
-                pool.drains[rank] = actor.drain.remote(_DRAIN_POLL_S)
+        for rank, actor in enumerate(self.pool.actors):
+            if rank not in self.drains and rank not in self.dead:
+                self.drains[rank] = actor.drain.remote(_DRAIN_POLL_S)
 
     def _take(self, outcome: RankResult | RankFailure) -> None:
         self.owed[outcome.rank] = outcome.output_seq
@@ -205,30 +219,77 @@ class Call:
             return
         self.results[outcome.rank] = outcome.value
         if outcome.next_master_port is not None:
-            self.pool.next_port = outcome.next_master_port
+            self.next_port = outcome.next_master_port
 
     def _show(self, rank: int, ref: ray.ObjectRef) -> None:
-        pool = self.pool
-        del pool.drains[rank]
+        del self.drains[rank]
         try:
             chunks = ray.get(ref)
         except RayActorError:
-            pool.dead.add(rank)
+            self.dead.add(rank)
             return
         for chunk in chunks:
             if chunk.stream == EXIT_STREAM:
-                pool.exit_codes[rank] = int(chunk.data)
+                self.exit_codes[rank] = int(chunk.data)
             elif chunk.stream == STATE_STREAM:
                 self.waits_on[rank] = chunk.data.decode()
-        pool.console.write(rank, [c for c in chunks if c.stream not in (EXIT_STREAM, STATE_STREAM)])
+        shown = [chunk for chunk in chunks if chunk.stream not in (EXIT_STREAM, STATE_STREAM)]
+        self.console.write(rank, shown)
         if chunks:  # the pseudo-streams' chunks count as taken in too
-            pool.console.printed[rank] = max(pool.console.printed[rank], chunks[-1].seq)
+            self.console.printed[rank] = max(self.console.printed[rank], chunks[-1].seq)
+
+    def _outcome(self, rank: int, ref: ray.ObjectRef) -> RankResult | RankFailure:
+        try:
+            return pickle.loads(ray.get(ref))  # noqa: S301 - from our own rank actor
+        except RayActorError as exc:
+            self.dead.add(rank)
+            info = self.pool.infos[rank]
+            last_words = self._show_leftovers(rank)
+            return RankFailure(
+                rank=rank,
+                local_rank=self.pool.specs[rank].local_rank,
+                node_ip=info.node_ip,
+                hostname=info.hostname,
+                pid=info.pid,
+                time=time.time(),
+                exc_type=CRASH,
+                message=_crash_reason(
+                    exc,
+                    self.exit_codes.get(rank),
+                    last_words,
+                    node_gone=cluster.node_lost(info.node_id),
+                ),
+                traceback="",
+            )
+
+    def _show_leftovers(self, rank: int) -> str:
+        """Show what a dead rank wrote in its last instant (saved by its keeper); return it."""
+        info = self.pool.infos[rank]
+        if not info.tail_path:
+            return ""
+        if info.node_id == ray.get_runtime_context().get_node_id():
+            leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
+        else:  # read on the rank's own node
+            affinity = NodeAffinitySchedulingStrategy(info.node_id, soft=False)
+            ref = _remote_read_tail.options(scheduling_strategy=affinity).remote(
+                info.tail_path, _LEFTOVER_WAIT_S
+            )
+            done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
+            leftovers = ray.get(done[0]) if done else None
+        shown = self.console.printed[rank]
+        unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
+        last = max([shown, *(seq for seq, _, _ in unseen)])
+        chunks = [
+            OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen
+        ]
+        self.console.write(rank, chunks)
+        return "".join(text for _, _, text in unseen)
 
     def _time_out(self) -> None:
-        self.pool.console.flush()
+        self.console.flush()
         ranks = range(len(self.pool.actors))
         where = {rank: _where(self.pool, rank) for rank in ranks}
-        log_dir = self.pool.console.log_dir
+        log_dir = self.console.log_dir
         raise timeout_error(self.timeout or 0.0, stacks(self.pool), where, log_dir)
 
 
@@ -243,15 +304,23 @@ def _ready(refs: list[ray.ObjectRef], wait_s: float | None) -> list[ray.ObjectRe
 
 def stacks(pool: Pool) -> dict[int, str]:
     """Each rank's current stacks, asked of all ranks at once; never blocks for long."""
-    refs = {actor.stacks.remote(): rank for rank, actor in enumerate(pool.actors)}
-    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_STACKS_WAIT_S)
-    found = {rank: f"(no answer within {_STACKS_WAIT_S:g} s)" for rank in refs.values()}
+    return rank_stacks(dict(enumerate(pool.actors)))
+
+
+def rank_stacks(actors: Mapping[int, Any], wait_s: float = _STACKS_WAIT_S) -> dict[int, str]:
+    """The current stacks of each rank's actor, by rank, asked of all at once; within
+    `wait_s`. A rank that cannot answer says why instead."""
+    refs = {actor.stacks.remote(): rank for rank, actor in actors.items()}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+    found = {rank: f"(no answer within {wait_s:g} s)" for rank in refs.values()}
     for ref in done:
         try:
             found[refs[ref]] = ray.get(ref)
         except RayActorError:
             found[refs[ref]] = "(its process is gone)"
-    return found
+        except ray.exceptions.RayError as exc:
+            found[refs[ref]] = f"(no answer: {type(exc).__name__})"
+    return dict(sorted(found.items()))
 
 
 def _where(pool: Pool, rank: int) -> str:
@@ -259,55 +328,8 @@ def _where(pool: Pool, rank: int) -> str:
     return describe_rank(rank, pool.specs[rank].local_rank, info.node_ip, info.hostname, info.pid)
 
 
-def _outcome(pool: Pool, rank: int, ref: ray.ObjectRef) -> RankResult | RankFailure:
-    try:
-        return pickle.loads(ray.get(ref))  # noqa: S301 - from our own rank actor
-    except RayActorError as exc:
-        pool.dead.add(rank)
-        info = pool.infos[rank]
-        last_words = _show_leftovers(pool, rank)
-        return RankFailure(
-            rank=rank,
-            local_rank=pool.specs[rank].local_rank,
-            node_ip=info.node_ip,
-            hostname=info.hostname,
-            pid=info.pid,
-            time=time.time(),
-            exc_type=CRASH,
-            message=_crash_reason(
-                exc,
-                pool.exit_codes.get(rank),
-                last_words,
-                node_gone=cluster.node_lost(info.node_id),
-            ),
-            traceback="",
-        )
-
-
 _remote_read_tail = ray.remote(num_cpus=0)(read_tail)
 _remote_remove = ray.remote(num_cpus=0)(sharing.remove)
-
-
-def _show_leftovers(pool: Pool, rank: int) -> str:
-    """Show what a dead rank wrote in its last instant (saved by its keeper); return it."""
-    info = pool.infos[rank]
-    if not info.tail_path:
-        return ""
-    if info.node_id == ray.get_runtime_context().get_node_id():
-        leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
-    else:  # read on the rank's own node
-        affinity = NodeAffinitySchedulingStrategy(info.node_id, soft=False)
-        ref = _remote_read_tail.options(scheduling_strategy=affinity).remote(
-            info.tail_path, _LEFTOVER_WAIT_S
-        )
-        done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
-        leftovers = ray.get(done[0]) if done else None
-    shown = pool.console.printed[rank]
-    unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
-    last = max([shown, *(seq for seq, _, _ in unseen)])
-    chunks = [OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen]
-    pool.console.write(rank, chunks)
-    return "".join(text for _, _, text in unseen)
 
 
 def _crash_reason(

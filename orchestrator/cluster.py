@@ -9,7 +9,6 @@ import os
 import re
 import secrets
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 
 import ray
 
+from orchestrator import messages
 from orchestrator.errors import ClusterUnreachableError, ConfigError
 from workers import private
 
@@ -54,7 +54,7 @@ def connect(address: str | None, *, min_cpus: float = 0) -> bool:
             ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
             return False
         if stale:
-            say(f"the Ray cluster recorded in {stale} is gone; starting a fresh local one")
+            messages.say(f"the Ray cluster recorded in {stale} is gone; starting a fresh local one")
         in_lasting_thread(lambda: _start_local(min_cpus))
         _embedded = True
         return True
@@ -241,7 +241,7 @@ def _start_local(min_cpus: float) -> None:
     finally:
         quiet.setLevel(level)
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    say(
+    messages.say(
         f"running locally on an embedded Ray instance ({os.cpu_count()} cores, {gpus} GPUs); "
         "`orchestrator local start` keeps one warm between scripts"
     )
@@ -389,7 +389,7 @@ def local_cluster() -> tuple[str | None, Path | None]:
     except private.UntrustedFileError as exc:
         if str(exc) not in _ignored:
             _ignored.add(str(exc))
-            say(
+            messages.warn(
                 f"not using the Ray cluster named in {path}: {exc}. Give its address "
                 "(address= or RAY_ADDRESS) if you trust it"
             )
@@ -412,6 +412,3 @@ def _verbose() -> bool:
     """ORCHESTRATOR_VERBOSE=1: let Ray's own messages through."""
     return os.environ.get("ORCHESTRATOR_VERBOSE", "") not in ("", "0")
 
-
-def say(message: str) -> None:
-    print(f"[orchestrator] {message}", file=sys.stderr, flush=True)

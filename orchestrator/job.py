@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import sys
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, InvalidStateError
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from orchestrator import messages
 from orchestrator.call import stacks
 from orchestrator.errors import summary
 from orchestrator.logs import read_log
@@ -21,7 +21,6 @@ from workers import debugger
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
-    from orchestrator.pool import Pool
 
 R = TypeVar("R")
 
@@ -86,8 +85,8 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         self.stop_requested = threading.Event()
         self.context = contextvars.copy_context()
         """The submitter's context: a notebook routes output by it to the submitting cell."""
-        self.pool: Pool | None = None
         self.call: Call | None = None
+        """The running (or last) attempt's call, once its ranks started."""
         self.view: CellOutput | None = None
         """In a notebook, the submitting cell's display that shows the ranks' output."""
         self.owner: Any = None
@@ -128,7 +127,8 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
     def status(self) -> JobStatus:
         """The job's state, each rank's state, and while pending what it waits for."""
         phase = CANCELLED if self.cancelled() else self._phase
-        pool, call = self.pool, self.call
+        call = self.call
+        pool = call.pool if call is not None else None
         ranks = []
         for rank in range(self.num_ranks):
             state = phase
@@ -150,15 +150,15 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         """Everything rank `rank` wrote during this job (so far, while it runs)."""
         if self.log_dir is None:
             raise FileNotFoundError(f"job {self.name} has kept no log files (not started yet?)")
-        if self.pool is not None and not self.done():
+        if self.call is not None and not self.done():
             with contextlib.suppress(ValueError):  # closed by the runner meanwhile
-                self.pool.console.flush_files()
+                self.call.console.flush_files()
         return read_log(self.log_dir, rank)
 
     def stacks(self) -> dict[int, str]:
         """Each rank's current stacks, by rank, while the job runs ({} otherwise)."""
-        pool = self.pool
-        return stacks(pool) if pool is not None and self.running() else {}
+        call = self.call
+        return stacks(call.pool) if call is not None and self.running() else {}
 
     def __await__(self) -> Generator[Any, None, list[R]]:
         """`await job` in asyncio: the ranks' results; cancelling the await cancels the job."""
@@ -184,13 +184,13 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         self._failed_attempts.append(summary(error))
         attempt = len(self._failed_attempts)
         line = (
-            f"[{self.name}] attempt {attempt} failed: {self._failed_attempts[-1]}; "
+            f"attempt {attempt} failed: {self._failed_attempts[-1]}; "
             f"restarting all {self.num_ranks} ranks (restart {attempt})"
         )
         if self.view is not None:
-            self.view.write("stderr", line + "\n")
+            self.view.write("stderr", f"[{self.name}] {line}\n")
         else:
-            print(line, file=sys.stderr, flush=True)
+            messages.warn(line, job=self.name)
         self.set_phase(STARTING)
 
     def finish(self, value: list[R] | None = None, error: BaseException | None = None) -> None:
@@ -230,9 +230,5 @@ def stop_all(say: bool = False) -> None:
     for job in list(_live):
         if not job.done():
             if say:
-                print(
-                    f"[orchestrator] stopping job {job.name} ({job.status().state}) at exit",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                messages.say(f"stopping job {job.name} ({job.status().state}) at exit")
             job.cancel()

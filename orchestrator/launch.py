@@ -14,9 +14,11 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import cluster, local, placement
+from orchestrator import cluster, local, messages, placement
+from orchestrator.call import rank_stacks
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
+from orchestrator.options import clean_name
 from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
 from workers.script import Script, ScriptExit, run_script
 
@@ -53,7 +55,6 @@ EXIT_INTERRUPTED = 130
 """128 + SIGINT, as a shell reports a command stopped with Ctrl-C."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 class LaunchError(OrchestratorError):
@@ -228,7 +229,7 @@ def job_name(options: RunOptions) -> str:
     if options.name is not None:
         return options.name
     raw = options.target.rsplit(".", 1)[-1] if options.module else Path(options.target).stem
-    return _NAME_CHARS.sub("_", raw).strip("_.-")[:64] or "job"
+    return clean_name(raw)
 
 
 def validate(options: RunOptions) -> list[str]:
@@ -301,7 +302,8 @@ def run(options: RunOptions) -> int:
         _report(err)
         return _exit_status(err)
     except KeyboardInterrupt:
-        _say(f"interrupted: every rank of {fn.name} was stopped" if started else "interrupted")
+        stopped = f": every rank of {fn.name} was stopped" if started else ""
+        messages.say(f"interrupted{stopped}")
         return EXIT_INTERRUPTED
     finally:
         # Leave the cluster (or stop the embedded instance) now, while it is all alive.
@@ -317,7 +319,7 @@ def _join_and_ship(address: str, options: RunOptions) -> None:
     os.environ["RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"] = ""
     root = options.working_dir.absolute()
     measured = check_upload(root, excludes, options.max_upload)
-    _say(
+    messages.say(
         f"shipping {root} to the cluster at {address}: {measured.files} files, "
         f"{format_size(measured.total)}"
     )
@@ -429,7 +431,7 @@ def stacks(name: str, address: str | None, wait_s: float = 10.0) -> int:
         listing = "; running: " + ", ".join(running) if running else "; no job is running there"
         raise LaunchError(f"no running job named {name!r} on this cluster{listing}")
     if len(chosen) > 1:
-        _say(
+        messages.say(
             f"{len(chosen)} jobs are named {name!r}; showing each (pick one with "
             f"NAME-POOLID: {', '.join(f'{j}-{p}' for j, p in sorted(chosen))})"
         )
@@ -444,30 +446,16 @@ def stacks(name: str, address: str | None, wait_s: float = 10.0) -> int:
 def _rank_stacks(actor_names: dict[int, str], wait_s: float) -> dict[int, str]:
     """Each rank's stacks, by rank; a rank that cannot answer says why instead."""
     texts: dict[int, str] = {}
-    refs: dict[ray.ObjectRef, int] = {}
+    actors = {}
     for rank, actor_name in sorted(actor_names.items()):
         try:
-            actor = ray.get_actor(actor_name, namespace=ACTOR_NAMESPACE)
+            actors[rank] = ray.get_actor(actor_name, namespace=ACTOR_NAMESPACE)
         except ValueError:
             texts[rank] = "(the rank's actor is gone)"
-            continue
-        refs[actor.stacks.remote()] = rank
-    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
-    for ref, rank in refs.items():
-        if ref not in done:
-            texts[rank] = f"(no answer within {wait_s:g} s)"
-            continue
-        try:
-            texts[rank] = ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            texts[rank] = f"(no answer: {type(exc).__name__})"
-    return dict(sorted(texts.items()))
+    return dict(sorted({**texts, **rank_stacks(actors, wait_s)}.items()))
 
 
 def _round_up(size: int) -> str:
     gib = size / 1024**3
     return f"{int(gib) + 1}G" if gib >= 1 else f"{int(size / 1024**2) + 1}M"
 
-
-def _say(message: str) -> None:
-    print(f"[orchestrator] {message}", file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from orchestrator import cluster
+from orchestrator import cluster, messages
 from orchestrator.errors import ConfigError, OrchestratorError
 from workers import private
 from workers.spares import (
@@ -96,7 +96,7 @@ def _driver_paths() -> list[str]:
 def _say_once(message: str) -> None:
     if not _said.is_set():
         _said.set()
-        cluster.say(message)
+        messages.say(message)
 
 
 def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | None) -> RuntimeInfo:

@@ -51,8 +51,13 @@ class Console:
         prefix: str = DEFAULT_PREFIX,
         show: Collection[int] | None = None,
         log_dir: Path | None = None,
+        sink: Callable[[str, str], None] | None = None,
     ) -> None:
-        """`show`: ranks whose lines go to the console (all when None); files get all."""
+        """`show`: ranks whose lines go to the console (all when None); files get all.
+
+        `log_dir`: where rank-N.log files go (made on first use); `sink(stream, text)`:
+        where shown lines go instead of stdout/stderr (a notebook cell).
+        """
         self.name = name
         self.prefix = prefix
         self.show = None if show is None else frozenset(show)
@@ -60,15 +65,7 @@ class Console:
         """Per rank, the seq of the last chunk taken in."""
         self._streams: dict[tuple[int, str], _Stream] = {}
         self._files: dict[int, TextIO] = {}
-        self.sink: Callable[[str, str], None] | None = None
-        """Where shown lines go instead of stdout/stderr: sink(stream, text)."""
-        self.log_dir: Path | None = None
-        if log_dir is not None:
-            self.open_logs(log_dir)
-
-    def open_logs(self, log_dir: Path) -> None:
-        """Write every rank's lines to `log_dir`/rank-N.log from now on (created on first use)."""
-        self.close_logs()
+        self.sink = sink
         self.log_dir = log_dir
 
     def close_logs(self) -> None:

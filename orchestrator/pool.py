@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import cluster, local, placement
+from orchestrator import cluster, local, messages, placement
 from orchestrator.errors import PlacementTimeoutError
-from orchestrator.logs import Console
 from orchestrator.placement import Request
+from workers import environment
 from workers.actor import CONCURRENCY_GROUPS, RankActor
 from workers.environment import order_devices
 from workers.protocol import NodeInfo, RankSpec
@@ -32,10 +30,6 @@ _RECHECK_S = 2.0
 """While waiting for placement, how often to check that the live nodes can still hold it."""
 _POLL_S = 0.2
 """How often a wait for placement or for actors checks for a stop request."""
-
-
-_READ_ON_IMPORT = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "CUDA", "NCCL", "LD_")
-"""Variables that torch or the libraries it loads may read only when imported."""
 
 
 class StopRequested(Exception):
@@ -74,7 +68,6 @@ class Pool:
         simulate_nodes: bool,
         env: Mapping[str, str],
         runtime_env: Mapping[str, Any] | None,
-        console: Console,
         post_mortem: bool = False,
         placement_timeout: float | None = None,
         stop: threading.Event | None = None,
@@ -89,13 +82,11 @@ class Pool:
         self.name = name
         self.request = request
         self.actors: list[Any] = []
-        self.console = console
-        self.drains: dict[int, ray.ObjectRef] = {}
-        """Per rank, the output request in flight (kept across calls)."""
-        self.dead: set[int] = set()
-        self.exit_codes: dict[int, int] = {}
-        """Statuses ranks passed to os._exit, as they reported them just before."""
         self.infos: list[NodeInfo] = []
+        self.specs: list[RankSpec] = []
+        """Each rank's place in the job; a call adds its own half (port, attempt, ...)."""
+        self.store_port = 0
+        """The port of the rendezvous store rank 0 serves for the next call."""
         self._stop = stop or threading.Event()
         self._on_phase = on_phase or (lambda phase, detail: None)
         self._closing = threading.Lock()
@@ -133,7 +124,7 @@ class Pool:
                     "or None to wait as long as it takes."
                 )
             if not announced and waited >= _WAIT_NOTICE_S:
-                print(f"[{self.name}] {waiting_for}", file=sys.stderr, flush=True)
+                messages.say(waiting_for, job=self.name)
                 announced = True
             if waited >= checked + _RECHECK_S:  # nodes leave too: waiting may become futile
                 checked = waited
@@ -178,7 +169,7 @@ class Pool:
             raise
         self.infos = self._infos(range(len(self.actors)))
         _note_niceness(self.name, self.infos)
-        self.next_port: int = self._open_store()
+        self.store_port = self._open_store()
         self._respec()
 
     def _spares(self, runtime: Any, bundle_nodes: Mapping[int, str]) -> dict[int, tuple[Any, int]]:
@@ -186,7 +177,7 @@ class Pool:
         job_env = ray.get_runtime_context().runtime_env  # a spare has none of the job's
         if self._runtime_env or job_env or set(self.request.per_replica()) - {"CPU"}:
             return {}
-        if any(name.startswith(_READ_ON_IMPORT) for name in self._env):
+        if environment.read_on_import(self._env):
             return {}  # a spare imported torch before it knew them
         by_node: dict[str, list[int]] = {}
         for slot in self._slots:
@@ -228,14 +219,10 @@ class Pool:
             return False
         for rank in ranks:
             ray.kill(self.actors[rank], no_restart=True)
-            self.drains.pop(rank, None)  # its answer would speak for the new actor
-            self.exit_codes.pop(rank, None)
-            self.console.printed[rank] = 0
             self.actors[rank] = self._new_actor(rank, attempt)
         for rank, info in zip(sorted(ranks), self._infos(sorted(ranks)), strict=True):
             self.infos[rank] = info
-        self.dead -= ranks
-        self.next_port = self._open_store()  # the failed call's store holds stale keys
+        self.store_port = self._open_store()  # the failed call's store holds stale keys
         self._respec()
         return True
 
@@ -250,17 +237,10 @@ class Pool:
             workdir=self._workdir,
         )
 
-    def specs_for_call(self, restart_count: int = 0, max_restarts: int = 0) -> list[RankSpec]:
-        """Each rank's spec with this call's MASTER_PORT and attempt number."""
-        return [
-            replace(
-                spec,
-                master_port=self.next_port,
-                restart_count=restart_count,
-                max_restarts=max_restarts,
-            )
-            for spec in self.specs
-        ]
+    def use_store(self, port: int | None) -> None:
+        """Rank 0 serves the next call's rendezvous store on `port` (None: the same one)."""
+        if port is not None:
+            self.store_port = port
 
     def pids(self) -> list[int]:
         """Process ids of the ranks' actors, by rank."""
@@ -290,13 +270,12 @@ def _note_niceness(name: str, infos: list[NodeInfo]) -> None:
         return
     _niced_noted.set()
     levels = "/".join(map(str, niced))
-    print(
-        f"[{name}] the ranks run at niceness {levels} (this driver at {mine}), set by Ray's "
+    messages.warn(
+        f"the ranks run at niceness {levels} (this driver at {mine}), set by Ray's "
         "worker_niceness on their nodes: they and their data loader workers yield the CPU "
         "to every other process there. To run them at normal priority, start Ray on each "
         "node with RAY_worker_niceness=0 in the environment of `ray start`.",
-        file=sys.stderr,
-        flush=True,
+        job=name,
     )
 
 

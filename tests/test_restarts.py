@@ -117,8 +117,8 @@ def test_losing_a_node_restarts_the_job_on_the_remaining_nodes(cluster):
     deadline = time.monotonic() + 90
     while job.status().state != "running" and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert job.pool is not None
-    second_node = job.pool.infos[2].node_id  # ranks 2-3: never the driver's (head) node
+    assert job.call is not None
+    second_node = job.call.pool.infos[2].node_id  # ranks 2-3: never the driver's (head) node
     victim = next(n for n in cluster.list_all_nodes() if n.node_id == second_node)
     cluster.remove_node(victim, allow_graceful=False)
 

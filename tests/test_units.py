@@ -366,3 +366,23 @@ def test_files_ranks_leave_go_in_a_folder_of_this_user_alone(tmp_path, monkeypat
         private.folder()
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert private.folder().name == f"orchestrator-{os.getuid()}"  # in the temp dir
+
+
+def test_distribute_s_keywords_are_the_options_dataclass():
+    """Options is the one definition: distribute() spells out the same names, defaults
+    and types for editors and type checkers, and with_options takes the per-call ones."""
+    import dataclasses
+    import inspect
+
+    from orchestrator.options import PER_CALL, Options
+
+    params = inspect.signature(distribute).parameters
+    fields = {f.name: f for f in dataclasses.fields(Options)}
+    assert list(params)[1:] == list(fields)
+    for name, field in fields.items():
+        param = params[name]
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY, name
+        default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+        assert param.default == default, name
+        assert param.annotation == field.type, name
+    assert set(fields) >= PER_CALL

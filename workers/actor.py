@@ -33,7 +33,7 @@ class RankActor:
         work and the other ranks' imports, instead of waiting for the first call. The
         user's `env` is set first: torch reads some variables only on import.
         """
-        os.environ.update(env or {})
+        environment.preset(env or {})
         self._label = f"{job_name} r{rank}"
         self._rank = rank
         self._local_rank = 0
@@ -106,8 +106,7 @@ class RankActor:
             self._store, self._next_store = self._next_store, None
         try:
             # First: every rank of this node must count itself as a reader (see sharing).
-            shared = spec.env.get(sharing.SWITCH, os.environ.get(sharing.SWITCH)) != "0"
-            readers = spec.ranks_on_node if shared else 1
+            readers = spec.ranks_on_node if environment.shares_buffers(spec) else 1
             buffers = sharing.private_buffers(
                 payload.buffers, payload.readonly, spec.share_key, readers
             )

@@ -1,4 +1,5 @@
-"""A rank's environment: variables, network interface, GPU visibility."""
+"""A rank's environment, all of its policy: our defaults, the user's `env`, what torch reads
+on import, the shared-buffer switch, the network interface and GPU visibility."""
 
 from __future__ import annotations
 
@@ -8,11 +9,41 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from workers import sharing
 from workers.protocol import RankSpec
 
 _SIOCGIFADDR = 0x8915
+READ_ON_IMPORT = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "CUDA", "NCCL", "LD_")
+"""Prefixes of variables that torch, or the libraries it loads, may read only on import."""
+
+
+def user_env(env: Mapping[str, str], runtime_env: Mapping[str, Any] | None) -> dict[str, str]:
+    """The user's variables for every rank: `env`, and OMP_NUM_THREADS set through
+    `runtime_env`'s env_vars (our default would hide it otherwise); `env` wins."""
+    chosen = dict(env)
+    given = (runtime_env or {}).get("env_vars") or {}
+    if "OMP_NUM_THREADS" in given:
+        chosen.setdefault("OMP_NUM_THREADS", str(given["OMP_NUM_THREADS"]))
+    return chosen
+
+
+def read_on_import(env: Mapping[str, str]) -> list[str]:
+    """The variables of `env` that must be set before torch is imported to take effect."""
+    return sorted(name for name in env if name.startswith(READ_ON_IMPORT))
+
+
+def preset(env: Mapping[str, str]) -> None:
+    """Set the user's variables as a rank's process starts, before it imports torch."""
+    os.environ.update(env)
+
+
+def shares_buffers(spec: RankSpec) -> bool:
+    """Whether the ranks of a node read one copy of a call's large buffers (see sharing)."""
+    return spec.env.get(sharing.SWITCH, os.environ.get(sharing.SWITCH)) != "0"
 
 
 def interface_for_ip(ip: str) -> str | None:

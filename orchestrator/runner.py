@@ -1,0 +1,348 @@
+"""The executor behind a distributed function: its queue of jobs, warm pool and restarts.
+
+A `Runner` runs a function's jobs one after another in a thread of its own, on a warm
+pool of rank actors it starts on first need and keeps between calls. A failed attempt
+is followed by another (max_restarts) after the broken ranks, or the whole pool, were
+replaced. When the runner is no longer referenced, a finalizer releases its pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from orchestrator import call, cluster, messages, placement
+from orchestrator.errors import (
+    CRASH,
+    BusyError,
+    DistributedError,
+    JobTimeoutError,
+    OrchestratorError,
+)
+from orchestrator.job import PENDING, RUNNING, Job
+from orchestrator.logs import Console
+from orchestrator.options import Options
+from orchestrator.pool import Pool, StopRequested
+from workers import environment
+
+Plan = tuple[placement.Request, bool]
+"""What a pool is to hold, and whether it simulates its nodes on one machine."""
+
+_SETTLE_S = 2.0
+"""Before a restart, how long ranks still running may take to return (else: stuck)."""
+_LINGER_S = 2.0
+"""How long the runner thread waits for the next call before it ends."""
+
+
+class _PoolBox:
+    """Holds a runner's warm pool apart from everything else, for the finalizer."""
+
+    def __init__(self) -> None:
+        self.pool: Pool | None = None
+
+    def release(self) -> None:
+        """Stop the pool's actors and give back its resources."""
+        pool, self.pool = self.pool, None
+        if pool is not None and ray.is_initialized():
+            pool.shutdown()
+
+
+class Runner:
+    """Runs the jobs of the function named `name`, laid out as `options` say, in turn.
+
+    Shared by a function and its `with_options` copies, which differ only in per-call
+    options: each job brings its own.
+    """
+
+    def __init__(self, name: str, options: Options) -> None:
+        """A runner with no pool and no thread yet: both start with the first job."""
+        self.name = name
+        self.options = options
+        self._box = _PoolBox()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._queue: deque[tuple[Job[Any], call.Shipment, Options, Plan | None]] = deque()
+        self._thread: threading.Thread | None = None
+        self._calls = itertools.count(1)
+        self._drains: dict[int, ray.ObjectRef] = {}
+        """Output requests the last call left in flight, for the next call on the pool."""
+        self.current: Job[Any] | None = None
+        """The job running now, if any."""
+        self.last: Job[Any] | None = None
+        """The job submitted last."""
+        weakref.finalize(self, self._box.release)
+        _runners.add(self)
+
+    @property
+    def pool(self) -> Pool | None:
+        """The warm pool, if one is running."""
+        return self._box.pool
+
+    def plan(self) -> Plan | None:
+        """Connect and lay out the pool if none runs; raise at once if it can never fit."""
+        return None if self.pool is not None else _plan(self.options)
+
+    def busy_with(self) -> Job[Any] | None:
+        """The job that runs or waits on this function now, if any."""
+        waiting = [job for job, *_ in self._queue if not job.done()]
+        current = self.current if self.current is not None and not self.current.done() else None
+        return current or (waiting[0] if waiting else None)
+
+    def submit(
+        self, job: Job[Any], shipped: call.Shipment, options: Options, plan: Plan | None
+    ) -> None:
+        """Queue `job` to run `shipped` with these per-call `options` when its turn comes."""
+        with self._lock:
+            busy = self.busy_with()
+            if busy is not None and not options.queue:
+                raise busy_error(job.name, busy)
+            self._queue.append((job, shipped, options, plan))
+            self.last = job
+            self._wakeup.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._work, name=f"orchestrator-{job.name}", daemon=True
+                )
+                self._thread.start()
+
+    def stop(self, job: Job[Any]) -> None:
+        """Withdraw a queued `job`, or kill its ranks if it runs (a waiting one sees its flag)."""
+        with self._lock:
+            self._queue = deque(entry for entry in self._queue if entry[0] is not job)
+            pool = self.pool if job is self.current else None
+            if pool is not None:
+                self._box.pool = None  # never hand a killed pool to the next call
+        if pool is not None:
+            pool.shutdown()
+
+    def release_if_idle(self, reason: str) -> bool:
+        """Release the warm pool if no call runs or waits on it; True if released."""
+        with self._lock:
+            pool = self.pool
+            if pool is None or self.current is not None or self._queue:
+                return False
+            self._box.pool = None
+        messages.say(f"released its idle ranks: {reason}", job=pool.name)
+        pool.shutdown()
+        return True
+
+    def release(self) -> None:
+        """Stop the warm pool's actors and give back its resources."""
+        self._drains = {}
+        self._box.release()
+
+    def shutdown(self) -> None:
+        """Cancel every queued and running job, then release the pool."""
+        with self._lock:
+            jobs = [job for job, *_ in self._queue]
+            if self.current is not None:
+                jobs.append(self.current)
+        for job in jobs:
+            job.cancel()
+        self.release()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                # Linger a moment: calls in a loop then cost no thread start each.
+                self._wakeup.wait_for(lambda: bool(self._queue), timeout=_LINGER_S)
+                if not self._queue:
+                    self._thread = None
+                    return
+                job, shipped, options, plan = self._queue.popleft()
+                self.current = job
+            try:
+                job.context.run(self._execute, job, shipped, options, plan)
+            except BaseException as exc:  # noqa: BLE001 - a bug here must not strand jobs
+                job.finish(error=exc)
+            finally:
+                with self._lock:
+                    self.current = None
+
+    def _execute(
+        self, job: Job[Any], shipped: call.Shipment, options: Options, plan: Plan | None
+    ) -> None:
+        """Run `job`: start the pool if needed, call, restart as allowed, settle the job.
+
+        A cancelled job is settled by cancel(); every other outcome here.
+        """
+        earlier: list[BaseException] = []
+        while not job.stop_requested.is_set():
+            try:
+                value = self._attempt(job, shipped, options, plan, len(earlier))
+            except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
+                failed = job.call
+                if isinstance(exc, StopRequested) or job.stop_requested.is_set():
+                    self.release()
+                    _forget_buffers(failed)
+                    return
+                if _restartable(exc, options, len(earlier)):
+                    earlier.append(exc)
+                    job.restarted(exc)
+                    if not self._repair(failed, len(earlier), exc):
+                        plan = None  # a whole new pool, laid out on the nodes alive now
+                    _forget_buffers(failed)
+                    continue
+                # Ranks may be stuck in a collective: replace the whole pool next time.
+                self.release()
+                _forget_buffers(failed)
+                if earlier and isinstance(exc, OrchestratorError):
+                    exc.earlier_attempts = tuple(earlier)  # type: ignore[attr-defined]
+                job.finish(error=exc)
+                return
+            job.finish(value)
+            return
+
+    def _repair(self, failed: call.Call | None, attempt: int, error: BaseException) -> bool:
+        """Replace only the failed call's broken ranks; False: the whole pool was released.
+
+        Healthy ranks (finished, or failed only because a peer did) keep their warm
+        processes, so a restart costs one actor start, not a whole pool's.
+        """
+        pool = self.pool
+        with contextlib.suppress(Exception):  # anything amiss (a stop too): a whole new pool
+            if pool is not None and failed is not None and failed.pool is pool:
+                if not isinstance(error, JobTimeoutError):  # else they are all stuck
+                    failed.settle(_SETTLE_S)  # a peer's death reaches gloo ranks in moments
+                broken = failed.broken_ranks()
+                if len(broken) < len(pool.actors) and pool.replace(broken, attempt):
+                    self._drains = {r: ref for r, ref in failed.drains.items() if r not in broken}
+                    return True
+        self.release()
+        return False
+
+    def _attempt(
+        self,
+        job: Job[Any],
+        shipped: call.Shipment,
+        options: Options,
+        plan: Plan | None,
+        restart_count: int,
+    ) -> list[Any]:
+        if self.pool is None:
+            self._box.pool = self._start(job, plan or _plan(options))
+        pool = self.pool
+        assert pool is not None
+        folder = options.log_folder
+        if folder is not None and job.log_dir is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            job.log_dir = folder / self.name / f"{stamp}-{os.getpid()}-{next(self._calls)}"
+        console = Console(
+            self.name,
+            options.num_replicas,
+            prefix=options.log_prefix,
+            show=options.log_ranks,
+            log_dir=job.log_dir,
+            sink=job.view.write if job.view is not None else None,
+        )
+        if restart_count:
+            console.mark_files(f"--- attempt {restart_count + 1} (restart {restart_count}) ---")
+        try:
+            job.call = call.Call(
+                pool,
+                shipped,
+                console,
+                timeout=options.timeout,
+                stop=job.stop_requested,
+                restart_count=restart_count,
+                max_restarts=options.max_restarts,
+                drains=self._drains,
+            )
+            self._drains = {}
+            job.set_phase(RUNNING)
+            value = job.call.wait()
+            self._drains = job.call.drains
+            pool.use_store(job.call.next_port)
+            return value
+        finally:
+            console.close_logs()
+
+    def _start(self, job: Job[Any], plan: Plan) -> Pool:
+        request, simulate = plan
+        options = self.options
+
+        def progress(phase: str, detail: str | None) -> None:
+            if phase == PENDING:
+                _reclaim_idle(self.name)  # an idle warm pool of ours must not block a job
+            job.set_phase(phase, detail)
+
+        return Pool(
+            self.name,
+            request,
+            simulate_nodes=simulate,
+            env=environment.user_env(options.env or {}, options.runtime_env),
+            runtime_env=options.runtime_env,
+            post_mortem=options.post_mortem,
+            placement_timeout=options.placement_timeout,
+            stop=job.stop_requested,
+            on_phase=progress,
+        )
+
+
+_runners: weakref.WeakSet[Runner] = weakref.WeakSet()
+"""Every runner in this process, so a waiting job can reclaim idle pools."""
+
+
+def busy_error(name: str, busy: Job[Any]) -> BusyError:
+    """The error for a call submitted with queue=False while `busy` runs or waits."""
+    return BusyError(
+        f"{name} is still running an earlier call ({busy!r}); wait for it "
+        "(job.result()), cancel it, or submit with queue=True to run after it"
+    )
+
+
+def _plan(options: Options) -> Plan:
+    """Connect, lay out the request, fail at once if the cluster can never hold it."""
+    cpus_needed = options.num_replicas * options.cpus_per_replica
+    embedded = cluster.connect(options.address, min_cpus=cpus_needed)
+    nodes = cluster.nodes()
+    simulate = embedded or len(nodes) == 1
+    gpus = options.gpus_per_replica
+    if gpus is None:
+        gpus = 1.0 if any(n.resources.get("GPU", 0) for n in nodes) else 0.0
+    per_node = options.replicas_per_node or placement.default_replicas_per_node(
+        options.num_replicas, gpus, [n.resources for n in nodes]
+    )
+    request = placement.Request(
+        num_replicas=options.num_replicas,
+        replicas_per_node=per_node,
+        cpus_per_replica=options.cpus_per_replica,
+        gpus_per_replica=gpus,
+        resources_per_replica=dict(options.resources_per_replica or {}),
+    )
+    placement.check_feasible(request, [(n.ip, n.resources) for n in nodes], one_node=simulate)
+    return request, simulate
+
+
+def _restartable(error: BaseException, options: Options, restarts: int) -> bool:
+    """Whether a failed attempt is to be followed by another (max_restarts, restart_on)."""
+    if restarts >= options.max_restarts:
+        return False
+    if isinstance(error, RayActorError):  # an actor lost while the pool started
+        return True
+    if not isinstance(error, DistributedError):
+        return False
+    root = error.root_cause
+    return options.restart_on == "any" or (root is not None and root.exc_type == CRASH)
+
+
+def _forget_buffers(failed: call.Call | None) -> None:
+    """Once a failed call's ranks are stopped, remove what they may have left in /dev/shm."""
+    if failed is not None:
+        with contextlib.suppress(Exception):  # the cluster may be gone: nothing to remove
+            failed.forget_buffers()
+
+
+def _reclaim_idle(waiting: str) -> None:
+    """Release this process's idle warm pools, so the waiting job `waiting` can be placed."""
+    for runner in list(_runners):
+        runner.release_if_idle(f"{waiting} is waiting for resources")
