@@ -10,14 +10,14 @@ import re
 import secrets
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from orchestrator import messages
+from orchestrator import _ray_compat, messages
 from orchestrator.errors import ClusterUnreachableError, ConfigError
 from workers import private
 
@@ -147,24 +147,16 @@ def quiet_crash_notices(pids: list[int]) -> None:
     keeps both. Ray offers no switch, so its printer is wrapped (when present).
     """
     _rank_pids.update(pids)
-    if _verbose():
-        return
-    from ray._private import worker
+    if not _verbose():
+        _ray_compat.wrap_log_printer(_without_our_notices)
 
-    original = getattr(worker, "print_to_stdstream", None)
-    if original is None or getattr(original, "__wrapped__", None) is not None:
-        return
 
-    def filtered(data: dict, ignore_prefix: bool) -> None:
-        if data.get("pid") == "raylet":
-            lines = [line for line in data.get("lines", []) if not _ours(line)]
-            if not lines:
-                return None
-            data = {**data, "lines": lines}
-        return original(data, ignore_prefix)
-
-    filtered.__wrapped__ = original  # type: ignore[attr-defined]
-    worker.print_to_stdstream = filtered
+def _without_our_notices(batch: dict[str, Any]) -> dict[str, Any] | None:
+    """A batch of log lines without the raylet's notices about our ranks; None if empty."""
+    if batch.get("pid") != "raylet":
+        return batch
+    lines = [line for line in batch.get("lines", []) if not _ours(line)]
+    return {**batch, "lines": lines} if lines else None
 
 
 def _ours(line: str) -> bool:
@@ -176,14 +168,8 @@ def _ours(line: str) -> bool:
 
 def count_nodes(address: str) -> int | None:
     """Live nodes of the cluster at `address`, asked without joining it; None if unknown."""
-    try:
-        from ray._raylet import GcsClient  # what `ray status` uses; private
-
-        local_token(address)
-        found = GcsClient(address=address).get_all_node_info(timeout=5)
-        return sum(1 for info in found.values() if info.state == 0)  # 0: ALIVE
-    except Exception:  # noqa: BLE001 - unknown: the caller assumes a real cluster
-        return None
+    local_token(address)
+    return _ray_compat.alive_nodes(address)
 
 
 def nodes() -> list[Node]:
@@ -229,14 +215,16 @@ def _start_local(min_cpus: float) -> None:
     ray_level = logging.INFO if _verbose() else logging.ERROR
     quiet.setLevel(ray_level)
     try:
-        with _lean_head():
+        with _ray_compat.lean_head():
             ray.init(
                 address="local",
                 num_cpus=cpus,
                 include_dashboard=False,
                 logging_level=ray_level,
                 log_to_driver=False,  # ranks' output comes through our own capture
-                _system_config=None if NICENESS_VAR in os.environ else SAME_NICENESS,
+                # Ray starts workers 15 nice levels below the raylet: a rank, and the data
+                # loader workers it forks, would yield to everything else on the machine.
+                _system_config=_ray_compat.same_niceness(),
             )
     finally:
         quiet.setLevel(level)
@@ -277,45 +265,6 @@ def ensure_token(error: type[Exception]) -> None:
         token.write(secrets.token_hex(32))  # 256 bits, as `ray get-auth-token --generate`
 
 
-NICENESS_VAR = "RAY_worker_niceness"
-SAME_NICENESS = {"worker_niceness": 0}
-"""Ray starts workers 15 nice levels below its raylet by default; a rank, and the data
-loader workers it forks, would then yield to everything else on the machine. The
-embedded instance and the local runtime start them at the driver's own niceness
-(unless the user sets RAY_worker_niceness)."""
-
-
-_NOT_STARTED = ("start_api_server", "start_monitor", "start_log_monitor")
-"""Ray head processes the embedded instance does without (Ray has no switch for them).
-
-The API server (state and job APIs; Ray waits about 1 s for it even without the
-dashboard), the autoscaler monitor (nothing to scale on one machine) and the log
-monitor (unused with log_to_driver=False). Together they take ~1.8 s of CPU at start
-and make up most of Ray's sequential shutdown; `ray start` keeps them all.
-"""
-
-
-@contextlib.contextmanager
-def _lean_head() -> Iterator[None]:
-    try:
-        from ray._private.node import Node
-    except ImportError:  # another Ray: start everything
-        yield
-        return
-    saved = {name: Node.__dict__[name] for name in _NOT_STARTED if name in Node.__dict__}
-    try:
-        for name in saved:
-            setattr(Node, name, _not_started)
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(Node, name, method)
-
-
-def _not_started(self: object, *args: object, **kwargs: object) -> None:
-    return None
-
-
 def at_exit() -> None:
     """Interpreter exit: no thread starts a new Ray from here on; stop the embedded one now.
 
@@ -323,10 +272,7 @@ def at_exit() -> None:
     auto-init). Stopping the embedded instance here skips Ray's exit hook's 0.5 s wait
     for log lines, of which it sends none (log_to_driver=False).
     """
-    with contextlib.suppress(ImportError, AttributeError):
-        from ray._private import auto_init_hook
-
-        auto_init_hook.enable_auto_connect = False
+    _ray_compat.stop_auto_init()
     if _embedded and ray.is_initialized():
         ray.shutdown()
 
@@ -367,13 +313,7 @@ def local_token(address: str) -> None:
     record = runtime_record(address)
     if record is not None and record.get("auth") == "token" and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
-        try:  # Ray read its config at import: have it read the variable again
-            from ray._raylet import AuthenticationTokenLoader, Config
-
-            Config.initialize("")
-            AuthenticationTokenLoader.instance().reset_cache()
-        except (ImportError, AttributeError):  # another Ray: set RAY_AUTH_MODE=token by hand
-            pass
+        _ray_compat.reload_auth_mode()  # Ray read its config at import
 
 
 def local_cluster() -> tuple[str | None, Path | None]:

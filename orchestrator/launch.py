@@ -14,7 +14,7 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import cluster, local, messages, placement
+from orchestrator import _ray_compat, cluster, local, messages, placement
 from orchestrator.call import rank_stacks
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
@@ -121,20 +121,17 @@ def format_size(size: float) -> str:
 
 def upload_excludes(options: RunOptions) -> list[str]:
     """The patterns left out of the upload: the defaults, Ray's own, then the user's."""
-    from ray._private import ray_constants
-
     defaults = list(DEFAULT_EXCLUDES) if options.default_excludes else []
     # Ray adds its defaults (.git, .venv, venv, __pycache__) when it packages; they are
     # in the list measured here too, so the measured size is the uploaded one.
-    return [*defaults, *ray_constants.get_runtime_env_default_excludes(), *options.excludes]
+    return [*defaults, *_ray_compat.upload_default_excludes(), *options.excludes]
 
 
-def measure(root: Path, excludes: Sequence[str]) -> Measurement:
-    """The size of `root` as Ray would package it: after `excludes`, .gitignore, .rayignore."""
-    # Ray's own traversal, so every rule (gitignore syntax, ignore files in
-    # subfolders, RAY_RUNTIME_ENV_IGNORE_GITIGNORE) matches what is uploaded.
-    from ray._private.runtime_env import packaging
+def measure(root: Path, excludes: Sequence[str]) -> Measurement | None:
+    """The size of `root` as Ray would package it: after `excludes`, .gitignore, .rayignore.
 
+    None where Ray's packaging cannot be asked (then Ray's own limit applies).
+    """
     root = root.absolute()
     sizes: dict[str, int] = {}
     files = 0
@@ -147,22 +144,19 @@ def measure(root: Path, excludes: Sequence[str]) -> Measurement:
             sizes[label] = sizes.get(label, 0) + path.stat().st_size
             files += 1
 
-    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
-    packaging._dir_travel(
-        root,
-        [packaging._get_excludes(root, list(excludes))],
-        count,
-        include_gitignore=include_gitignore,
-        logger=logging.getLogger(__name__),
-    )
+    if not _ray_compat.walk_upload(root, list(excludes), count):
+        return None
     entries = sorted(sizes.items(), key=lambda item: -item[1])
     return Measurement(sum(sizes.values()), files, entries)
 
 
-def check_upload(root: Path, excludes: Sequence[str], limit: int) -> Measurement:
-    """Measure `root`; raise LaunchError naming the biggest entries if it exceeds `limit`."""
+def check_upload(root: Path, excludes: Sequence[str], limit: int) -> Measurement | None:
+    """Measure `root`; raise LaunchError naming the biggest entries if it exceeds `limit`.
+
+    None where it cannot be measured (Ray's own limit then applies).
+    """
     measured = measure(root, excludes)
-    if measured.total <= limit:
+    if measured is None or measured.total <= limit:
         return measured
     biggest = measured.entries[:5]
     lines = [
@@ -313,16 +307,12 @@ def run(options: RunOptions) -> int:
 
 def _join_and_ship(address: str, options: RunOptions) -> None:
     """Join the cluster with the working dir as the job's runtime_env, after the size guard."""
-    # Ray adds its own default excludes unless told not to; ours already hold them,
-    # and this way the list measured is exactly the list Ray applies.
+    # The list holds Ray's own default excludes: what is measured is what Ray uploads.
     excludes = upload_excludes(options)
-    os.environ["RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"] = ""
     root = options.working_dir.absolute()
     measured = check_upload(root, excludes, options.max_upload)
-    messages.say(
-        f"shipping {root} to the cluster at {address}: {measured.files} files, "
-        f"{format_size(measured.total)}"
-    )
+    size = f"{measured.files} files, {format_size(measured.total)}" if measured else "size unknown"
+    messages.say(f"shipping {root} to the cluster at {address}: {size}")
     cluster.check_reachable(address, "address")
     # Per-actor runtime_envs take URIs only; the job's own takes a local folder and
     # uploads it once (content-addressed: an unchanged folder is not sent again).

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from orchestrator import cluster, messages
+from orchestrator import _ray_compat, cluster, messages
 from orchestrator.errors import ConfigError, OrchestratorError
 from workers import private
 from workers.spares import (
@@ -139,7 +139,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
             # On SIGTERM Ray would wait up to 30 s for busy nodes to drain; spares never are.
             env={
                 "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-                cluster.NICENESS_VAR: str(cluster.SAME_NICENESS["worker_niceness"]),
+                **_ray_compat.same_niceness_env(),
                 **os.environ,
                 "RAY_AUTH_MODE": auth,
             },

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
-from cloudpickle import cloudpickle as _cloudpickle_impl
 
+from orchestrator import _ray_compat
 from orchestrator.errors import ConfigError
 from workers import sharing
 from workers.protocol import Payload
@@ -73,11 +73,13 @@ class _Pickler(cloudpickle.Pickler):
         return False
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, types.CodeType) and hasattr(_cloudpickle_impl, "_code_reduce"):
-            self.files.add(obj.co_filename)
-            rebuild, args = _cloudpickle_impl._code_reduce(obj)
-            args = tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
-            return rebuild, args
+        if isinstance(obj, types.CodeType):
+            reduced = _ray_compat.code_reduce(obj)
+            if reduced is not None:
+                self.files.add(obj.co_filename)
+                rebuild, args = reduced
+                args = tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
+                return rebuild, args
         if "torch" in sys.modules:
             reduced = self._reduce_storage(obj, sys.modules["torch"])
             if reduced is not None:
@@ -89,7 +91,7 @@ class _Pickler(cloudpickle.Pickler):
         typed = isinstance(obj, torch.storage.TypedStorage)
         if not typed and not isinstance(obj, torch.UntypedStorage):
             return None
-        untyped = obj._untyped_storage if typed else obj
+        untyped = _ray_compat.untyped_storage(obj) if typed else obj
         if untyped.device.type != "cpu" or untyped.nbytes() < OUT_OF_BAND_BYTES:
             return None
         dtype = obj.dtype if typed else None

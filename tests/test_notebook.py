@@ -51,6 +51,12 @@ CELLS = [
     "stuck_fn.fn = os.getpid\n"
     "print(len(stuck_fn()))\n"
     "stuck_fn.shutdown()",
+    # A driver message from the runner thread (through logging) lands in the calling cell.
+    "def flaky():\n"
+    "    if os.environ['RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"
+    "        raise RuntimeError('first attempt fails')\n"
+    "    return 1\n"
+    "print(distribute(flaky, num_replicas=2, replicas_per_node=1, max_restarts=1)())",
 ]
 INTERRUPTED = 8
 """The cell nbclient interrupts after INTERRUPT_AFTER_S, as the stop button would."""
@@ -97,6 +103,7 @@ def test_rank_output_lands_in_the_calling_cell(fresh_ray_dir):
         interrupt_on_timeout=True,
     ).execute()
     first, between, second = (_text(nb.cells[i]) for i in (2, 3, 4))
+    assert "[orchestrator] running locally on an embedded Ray instance" in first
     assert "[greet r0] hello from rank 0" in first
     assert "[greet r1] hello from rank 1" in first
     assert "[0, 1]" in first
@@ -117,3 +124,5 @@ def test_rank_output_lands_in_the_calling_cell(fresh_ray_dir):
     assert [e["ename"] for e in errors] == ["KeyboardInterrupt"]
     assert "all 2 ranks of stuck were stopped" in errors[0]["evalue"]
     assert _text(nb.cells[INTERRUPTED + 1]) == "2\n"  # fresh ranks, same function
+    restarted = _text(nb.cells[INTERRUPTED + 2])
+    assert "[flaky] attempt 1 failed: rank 1" in restarted and "[1, 1]" in restarted, restarted

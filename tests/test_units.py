@@ -386,3 +386,36 @@ def test_distribute_s_keywords_are_the_options_dataclass():
         assert param.default == default, name
         assert param.annotation == field.type, name
     assert set(fields) >= PER_CALL
+
+
+def test_driver_messages_go_through_logging(capsys):
+    """Shown on stderr by default; silenced or redirected with standard logging."""
+    import logging
+
+    from orchestrator import messages
+
+    log = logging.getLogger("orchestrator")
+    messages.say("hello")
+    messages.warn("careful", job="train")
+    assert capsys.readouterr().err == "[orchestrator] hello\n[train] careful\n"
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        messages.say("hidden")
+        messages.warn("hidden too")
+        assert capsys.readouterr().err == ""
+    finally:
+        log.setLevel(level)
+    caught: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caught.append(record.getMessage())
+
+    saved = log.handlers[:]
+    log.handlers[:] = [Keep()]
+    try:
+        messages.say("elsewhere", job="train")
+    finally:
+        log.handlers[:] = saved
+    assert caught == ["[train] elsewhere"] and capsys.readouterr().err == ""

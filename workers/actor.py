@@ -15,7 +15,7 @@ from typing import Any
 import cloudpickle
 import ray
 
-from workers import debugger, environment, script, sharing, stacks
+from workers import _compat, debugger, environment, script, sharing, stacks
 from workers.capture import Capture
 from workers.protocol import NodeInfo, OutputChunk, Payload, RankFailure, RankResult, RankSpec
 
@@ -185,11 +185,4 @@ def _destroy_process_group() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):  # a broken group is discarded either way
             dist.destroy_process_group()
-    # torch names an unnamed group after a counter that only destroying the default
-    # group resets. An init_process_group that failed half-way (a peer died while the
-    # group connected) leaves it advanced: this process would name its next group "1"
-    # while a fresh peer names it "0", and both would wait for each other for ever.
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if world is not None and not dist.is_initialized():
-        with contextlib.suppress(Exception):
-            world.group_count = 0
+    _compat.reset_group_counter()

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from workers import _compat
 from workers.actor import CONCURRENCY_GROUPS, RankActor
 
 BROKER_NAME = "local-runtime"
@@ -47,21 +48,6 @@ def code_id() -> str:
             with open(os.path.join(here, name), "rb") as source:
                 digest.update(name.encode() + source.read())
     return digest.hexdigest()[:16]
-
-
-def _jobs() -> dict[str, bool] | None:
-    """Every Ray job of the cluster: hex id -> still running; None when Ray cannot tell."""
-    try:
-        gcs = ray._private.worker.global_worker.gcs_client  # no public API tells this
-        try:  # without these, the GCS asks every running driver about its tasks each time
-            jobs = gcs.get_all_job_info(
-                skip_submission_job_info_field=True, skip_is_running_tasks_field=True
-            )
-        except TypeError:
-            jobs = gcs.get_all_job_info()
-        return {job_id.hex(): not info.is_dead for job_id, info in jobs.items()}
-    except Exception:  # noqa: BLE001 - then spares die with their pool only
-        return None
 
 
 class Spare(RankActor):
@@ -90,7 +76,7 @@ class Spare(RankActor):
     def _watch(self, owner_job: str) -> None:
         while True:
             time.sleep(_WATCH_S)
-            jobs = _jobs()
+            jobs = _compat.job_states()
             if jobs is not None and not jobs.get(owner_job, False):
                 os._exit(0)
 
@@ -261,7 +247,7 @@ class Broker:
         """True once no driver has run for `idle_timeout` seconds."""
         if self._idle_timeout is None:
             return False
-        jobs = _jobs()
+        jobs = _compat.job_states()
         # Any live driver counts, `orchestrator local start` itself included (it waits for
         # the spares); so does not knowing.
         if jobs is None or any(jobs.values()):

@@ -1,0 +1,271 @@
+"""Every use the driver makes of Ray's, cloudpickle's and torch's private parts, in one place.
+
+Ray has no public API for these. Each touch first checks that the private part is
+there in the shape it was written for (the version guard: what matters is the shape,
+since a Ray upgrade may keep or change it); where it is not, the touch falls back to
+Ray's public behaviour or to the degraded mode its docstring names, and records why in
+`degraded()`. `tests/test_compat.py` fails when the installed Ray or cloudpickle makes
+any touch fall back. pyproject.toml caps `ray` at the newest version the tests pass on.
+
+The rank side's touches (a worker's GCS client, torch's process-group counter) are in
+`workers/_compat.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+TESTED_RAY = ("2.40", "2.60")
+"""The oldest and newest Ray these touches were checked against (see pyproject.toml)."""
+
+_degraded: dict[str, str] = {}
+
+
+def degraded() -> dict[str, str]:
+    """The touches that fell back in this process, with why: {} when all work."""
+    return dict(_degraded)
+
+
+def _fell_back(touch: str, why: object) -> None:
+    if touch not in _degraded:
+        _degraded[touch] = str(why)
+        logging.getLogger("orchestrator").debug("Ray compat: %s falls back (%s)", touch, why)
+
+
+def _has_parameters(function: object, *names: str) -> bool:
+    try:
+        parameters = inspect.signature(function).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return all(name in parameters for name in names)
+
+
+def _takes(function: Any, keyword: str) -> bool:
+    """Whether `function` takes `keyword`: a parameter, or read from its **kwargs."""
+    if _has_parameters(function, keyword):
+        return True
+    try:
+        return f'"{keyword}"' in inspect.getsource(inspect.unwrap(function))
+    except (OSError, TypeError):
+        return False
+
+
+def wrap_log_printer(keep: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bool:
+    """Pass every batch of worker log lines the driver prints through `keep` first.
+
+    `keep(batch)` returns the batch to print (perhaps with fewer lines) or None.
+    Degraded: Ray's own notices about our ranks (a crashed rank's "(raylet) A worker
+    died", "N PYTHON worker processes have been started") are printed as Ray prints them.
+    """
+    try:
+        from ray._private import worker
+
+        original = worker.print_to_stdstream
+        if not _has_parameters(original, "data", "ignore_prefix"):
+            raise AttributeError("print_to_stdstream(data, ignore_prefix) changed")
+    except (ImportError, AttributeError) as exc:
+        _fell_back("wrap_log_printer", exc)
+        return False
+    if getattr(original, "__wrapped__", None) is not None:
+        return True  # wrapped already, by an earlier call
+
+    def filtered(data: dict[str, Any], ignore_prefix: bool) -> None:
+        kept = keep(data)
+        if kept is not None:
+            original(kept, ignore_prefix)
+
+    filtered.__wrapped__ = original  # type: ignore[attr-defined]
+    worker.print_to_stdstream = filtered
+    return True
+
+
+LEAN_HEAD = ("start_api_server", "start_monitor", "start_log_monitor")
+"""Ray head processes the embedded instance does without (Ray has no switch for them).
+
+The API server (state and job APIs; Ray waits about 1 s for it even without the
+dashboard), the autoscaler monitor (nothing to scale on one machine) and the log
+monitor (unused with log_to_driver=False). Together they take ~1.8 s of CPU at start
+and make up most of Ray's sequential shutdown; `ray start` keeps them all.
+"""
+
+
+@contextlib.contextmanager
+def lean_head() -> Iterator[None]:
+    """While inside, a Ray head started in this process skips the `LEAN_HEAD` processes.
+
+    Degraded: they start, as with `ray start` (about 1.8 s more CPU at start, a slower
+    shutdown).
+    """
+    try:
+        from ray._private.node import Node
+
+        saved = {name: Node.__dict__[name] for name in LEAN_HEAD}
+    except (ImportError, KeyError) as exc:
+        _fell_back("lean_head", exc)
+        yield
+        return
+    try:
+        for name in saved:
+            setattr(Node, name, _not_started)
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(Node, name, method)
+
+
+def _not_started(self: object, *args: object, **kwargs: object) -> None:
+    return None
+
+
+def stop_auto_init() -> None:
+    """From now on, a Ray call in this process does not start a fresh Ray (its auto-init).
+
+    Degraded: a late call from a thread at interpreter exit may start one (and stop it).
+    """
+    try:
+        from ray._private import auto_init_hook
+
+        if not hasattr(auto_init_hook, "enable_auto_connect"):
+            raise AttributeError("auto_init_hook.enable_auto_connect is gone")
+        auto_init_hook.enable_auto_connect = False
+    except (ImportError, AttributeError) as exc:
+        _fell_back("stop_auto_init", exc)
+
+
+def alive_nodes(address: str) -> int | None:
+    """How many nodes of the cluster at `address` are alive, asked without joining it.
+
+    Degraded: None (unknown), and callers assume a real multi-node cluster.
+    """
+    try:
+        from ray._raylet import GcsClient  # what `ray status` uses
+
+        found = GcsClient(address=address).get_all_node_info(timeout=5)
+    except (ImportError, AttributeError, TypeError) as exc:
+        _fell_back("alive_nodes", exc)
+        return None
+    except Exception:  # noqa: BLE001 - the cluster did not answer: unknown
+        return None
+    return sum(1 for info in found.values() if info.state == 0)  # 0: ALIVE
+
+
+def reload_auth_mode() -> bool:
+    """Make this process's Ray read RAY_AUTH_MODE and its token again (it read them at import).
+
+    Degraded (False): the user sets RAY_AUTH_MODE=token by hand to join a local runtime.
+    """
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError) as exc:
+        _fell_back("reload_auth_mode", exc)
+        return False
+    return True
+
+
+NICENESS_VAR = "RAY_worker_niceness"
+"""Ray's config variable for its workers' nice level, relative to the raylet's (15)."""
+
+
+def same_niceness_env() -> dict[str, str]:
+    """For `ray start`'s environment: workers at its own niceness (the user's choice wins)."""
+    return {} if NICENESS_VAR in os.environ else {NICENESS_VAR: "0"}
+
+
+def same_niceness() -> dict[str, Any] | None:
+    """ray.init's `_system_config` that starts workers at the driver's own niceness.
+
+    Ray starts workers 15 nice levels below its raylet by default. None where the user
+    set RAY_worker_niceness (theirs wins). Degraded (None): workers run niced.
+    """
+    if NICENESS_VAR in os.environ:
+        return None
+    try:
+        import ray
+
+        if not _takes(ray.init, "_system_config"):
+            raise AttributeError("ray.init(_system_config=...) is gone")
+    except (ImportError, AttributeError) as exc:
+        _fell_back("same_niceness", exc)
+        return None
+    return {"worker_niceness": 0}
+
+
+_RAY_DEFAULT_EXCLUDES = ".git,.venv,venv,__pycache__"
+
+
+def upload_default_excludes() -> list[str]:
+    """The patterns Ray itself leaves out of a working_dir upload.
+
+    Degraded: Ray 2.60's list (and its RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES).
+    """
+    try:
+        from ray._private import ray_constants
+
+        return list(ray_constants.get_runtime_env_default_excludes())
+    except (ImportError, AttributeError) as exc:
+        _fell_back("upload_default_excludes", exc)
+    value = os.environ.get("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES", _RAY_DEFAULT_EXCLUDES)
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def walk_upload(root: Path, excludes: list[str], visit: Callable[[Path], None]) -> bool:
+    """Call `visit` on every path of `root` that Ray would upload as a working_dir.
+
+    Ray's own traversal, so every rule (gitignore syntax, ignore files in subfolders,
+    RAY_RUNTIME_ENV_IGNORE_GITIGNORE) matches what is uploaded. Degraded (False, nothing
+    visited): the size guard is skipped and Ray's own 512 MiB limit applies.
+    """
+    try:
+        from ray._private.runtime_env import packaging
+
+        travel, get_excludes = packaging._dir_travel, packaging._get_excludes
+        if not _has_parameters(travel, "path", "excludes", "handler", "include_gitignore"):
+            raise AttributeError("packaging._dir_travel(...) changed")
+    except (ImportError, AttributeError) as exc:
+        _fell_back("walk_upload", exc)
+        return False
+    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    travel(
+        root,
+        [get_excludes(root, list(excludes))],
+        visit,
+        include_gitignore=include_gitignore,
+        logger=logging.getLogger(__name__),
+    )
+    return True
+
+
+def code_reduce(code: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """cloudpickle's reduction of a code object, to keep its file name; None where absent.
+
+    Degraded (None): code shipped by value keeps cloudpickle's "<dynamic-code>" name,
+    and tracebacks from it show no source lines.
+    """
+    try:
+        from cloudpickle import cloudpickle as impl
+
+        return impl._code_reduce(code)
+    except (ImportError, AttributeError, TypeError) as exc:
+        _fell_back("code_reduce", exc)
+        return None
+
+
+def untyped_storage(typed: Any) -> Any:
+    """The UntypedStorage under a torch TypedStorage, without torch's deprecation warning.
+
+    Degraded: torch's public `untyped()`, which warns that TypedStorage is deprecated.
+    """
+    untyped = getattr(typed, "_untyped_storage", None)
+    if untyped is None:
+        _fell_back("untyped_storage", "TypedStorage._untyped_storage is gone")
+        return typed.untyped()
+    return untyped

@@ -1,0 +1,101 @@
+"""Every touch of a private Ray, cloudpickle or torch part works on the installed versions.
+
+Each touch falls back quietly at run time; here a fallback fails loudly, so that a Ray
+upgrade that breaks one is seen before users see the degraded mode.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from pathlib import Path
+
+import ray
+
+from orchestrator import _ray_compat as compat
+from workers import _compat as rank_compat
+
+
+def test_the_installed_ray_is_within_the_tested_range():
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split(".")[:2])
+
+    oldest, newest = (version(v) for v in compat.TESTED_RAY)
+    assert oldest <= version(ray.__version__) <= newest, ray.__version__
+
+
+def test_log_printer_wrap_filters_lines():
+    from ray._private import worker
+
+    before = worker.print_to_stdstream  # wrapped already where a pool started before
+    original = getattr(before, "__wrapped__", before)
+    worker.print_to_stdstream = original
+    try:
+        assert compat.wrap_log_printer(lambda batch: None)
+        assert worker.print_to_stdstream.__wrapped__ is original  # type: ignore[attr-defined]
+        worker.print_to_stdstream({"pid": "raylet", "lines": ["x"]}, False)  # dropped
+    finally:
+        worker.print_to_stdstream = before
+
+
+def test_lean_head_replaces_and_restores_the_head_s_extra_processes():
+    from ray._private.node import Node
+
+    saved = {name: Node.__dict__[name] for name in compat.LEAN_HEAD}
+    with compat.lean_head():
+        assert all(Node.__dict__[name] is compat._not_started for name in compat.LEAN_HEAD)
+    assert {name: Node.__dict__[name] for name in compat.LEAN_HEAD} == saved
+
+
+def test_auth_reload_niceness_and_upload_helpers(tmp_path: Path, monkeypatch):
+    assert compat.reload_auth_mode()
+    monkeypatch.delenv(compat.NICENESS_VAR, raising=False)
+    assert compat.same_niceness() == {"worker_niceness": 0}
+    assert {".git", "__pycache__"} <= set(compat.upload_default_excludes())
+    (tmp_path / "keep.py").write_text("x")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("x")
+    seen: list[str] = []
+    assert compat.walk_upload(tmp_path, [".git"], lambda p: seen.append(p.name))
+    assert "keep.py" in seen and "HEAD" not in seen
+
+
+def test_code_reduce_keeps_what_cloudpickle_needs():
+    def f() -> int:
+        return 1
+
+    reduced = compat.code_reduce(f.__code__)
+    assert reduced is not None
+    rebuild, args = reduced
+    assert isinstance(rebuild(*args), types.CodeType)
+
+
+def test_untyped_storage_without_a_warning():
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # making one warns; reading it must not
+        typed = torch.zeros(4).storage()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compat.untyped_storage(typed).nbytes() == 16
+
+
+def test_alive_nodes_and_job_states_on_a_real_cluster(cluster):
+    assert compat.alive_nodes(cluster.address) == len(cluster.list_all_nodes())
+    states = rank_compat.job_states()
+    assert states is not None and ray.get_runtime_context().get_job_id() in states
+
+
+def test_torch_group_counter_is_where_the_reset_expects_it():
+    rank_compat.reset_group_counter()
+    assert "reset_group_counter" not in rank_compat.degraded()
+
+
+def test_no_touch_fell_back_in_this_process():
+    """Whatever the other tests and the suite's calls touched, nothing fell back."""
+    assert compat.degraded() == {}
+    assert rank_compat.degraded() == {}
+    assert os.environ.get("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES") is None
