@@ -11,7 +11,7 @@ import textwrap
 import threading
 from pathlib import Path
 
-from orchestrator import cluster, launch, local
+from orchestrator import cluster, launch, local, torchrun
 from orchestrator.errors import OrchestratorError
 from workers import debugger
 
@@ -57,6 +57,13 @@ example (4 ranks on 2 nodes, on the cluster at HEAD_IP:6379):
   orchestrator run --nproc 4 --per-node 2 --address HEAD_IP:6379 \\
       train.py --arch resnet50 --batch_size 64
 
+torchrun's spellings work too: swap the program name (also `python -m orchestrator.run`):
+  orchestrator run --nnodes 2 --nproc-per-node 2 train.py --lr 0.1
+  --nproc-per-node takes a number or gpu/cpu/auto (a node's GPUs or CPUs, as Ray sees
+  them); --nnodes N or N:N (not an elastic range); --standalone runs here on an embedded
+  Ray, whatever RAY_ADDRESS says. Unlike torchrun, one command launches every node: no
+  --node-rank, and --master-addr, --master-port and --rdzv-* are not needed (ignored).
+
   Every rank's lines are shown prefixed with "[train r2]". Exit status: 0 when every
   rank succeeded (sys.exit(0) included); else the failing rank's sys.exit status, or
   1 with its traceback printed last; 124 after --timeout; 130 after Ctrl-C, which
@@ -64,12 +71,14 @@ example (4 ranks on 2 nodes, on the cluster at HEAD_IP:6379):
 
 the working dir:
   On a cluster, the current folder (--working-dir) is shipped to every node and each
-  rank runs in its copy, so the modules beside the script import there. Left out:
+  rank runs in its copy, so the modules beside the script import there (a script
+  outside the current folder: its own folder is shipped instead). Left out:
 %(excludes)s,
   anything in .gitignore or .rayignore, and --exclude PATTERN. Folders holding more
   than --max-upload (default %(limit)s) are refused before anything starts. Without
   --address, RAY_ADDRESS or a `ray start` cluster on this machine, an embedded Ray
-  instance runs the ranks here, in the current folder, and nothing is shipped.
+  instance runs the ranks here, in the current folder, and nothing is shipped (a
+  script elsewhere runs where it is). Either way, sys.path[0] is the script's folder.
 
 legacy torch.distributed.launch scripts:
   --local-rank-arg local_rank   passes --local_rank=N before the script's arguments
@@ -109,7 +118,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [options] (SCRIPT | -m MODULE) [script args ...]",
     )
-    run_cmd.add_argument("--nproc", type=int, required=True, metavar="N", help="number of ranks")
+    run_cmd.add_argument(
+        "--nproc", type=int, metavar="N", help="number of ranks (default: --nnodes x "
+        "--nproc-per-node, else 1)"
+    )
     run_cmd.add_argument(
         "--per-node",
         type=int,
@@ -129,8 +141,11 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="stop every rank after this many seconds, showing stacks",
     )
+    torchrun.add_arguments(run_cmd)
     run_cmd.add_argument(
         "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
         type=int,
         default=0,
         metavar="N",
@@ -160,9 +175,9 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run_cmd.add_argument(
         "--working-dir",
         type=Path,
-        default=Path(),
         metavar="DIR",
-        help="the folder shipped to every node; must hold the script (default: .)",
+        help="the folder shipped to every node; must hold the script (default: the current "
+        "folder, or the script's own when it is outside it)",
     )
     run_cmd.add_argument(
         "--exclude",
@@ -205,6 +220,11 @@ def _run(args: argparse.Namespace) -> int:
         args=tuple(args.args),
         nproc=args.nproc,
         per_node=args.per_node,
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        node_rank=args.node_rank,
+        standalone=args.standalone,
+        unneeded=tuple(torchrun.unneeded(args)),
         address=args.address,
         name=args.name,
         timeout=args.timeout,

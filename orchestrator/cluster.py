@@ -34,18 +34,19 @@ class Node:
     resources: dict[str, float]
 
 
-def connect(address: str | None, *, min_cpus: float = 0) -> bool:
+def connect(address: str | None, *, min_cpus: float = 0, standalone: bool = False) -> bool:
     """Make sure this process is connected to Ray; return True on the embedded instance.
 
     Order: an initialized Ray; `address`; RAY_ADDRESS; a live local cluster started
     with `ray start`; else a fresh local instance with at least `min_cpus` CPUs.
+    `standalone`: the fresh local instance, whatever RAY_ADDRESS or `ray start` say.
     """
     global _embedded  # noqa: PLW0603 - one Ray connection per process
     with _lock:
         if ray.is_initialized():
             return _embedded
-        given = address or os.environ.get("RAY_ADDRESS")
-        live, stale = (None, None) if given else local_cluster()
+        given = None if standalone else address or os.environ.get("RAY_ADDRESS")
+        live, stale = (None, None) if given or standalone else local_cluster()
         target = given or live
         if target:
             if given:

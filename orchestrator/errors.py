@@ -19,6 +19,7 @@ OrchestratorError
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -182,7 +183,11 @@ def describe(failure: RankFailure, limit: int | None = None) -> str:
 
 def format_report(root: RankFailure, failures: Sequence[RankFailure]) -> str:
     """The message of a DistributedError: root cause with traceback, then the others."""
-    lines = [f"{describe(root)}", "", root.traceback.rstrip()]
+    lines = [f"{describe(root)}"]
+    if root.error_file:  # torch's `record` wrote it: torchrun's root-cause fields too
+        when = time.strftime("%Y-%m-%d_%H:%M:%S", time.localtime(root.time))
+        lines += [f"  time      : {when}", f"  error_file: {root.error_file}"]
+    lines += ["", root.traceback.rstrip()]
     others = [f for f in failures if f is not root]
     if others:
         lines += ["", f"{len(others)} other rank(s) failed after it:"]

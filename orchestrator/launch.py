@@ -14,7 +14,7 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import _ray_compat, cluster, local, messages, placement
+from orchestrator import _ray_compat, cluster, local, messages, placement, torchrun
 from orchestrator.call import rank_stacks
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
@@ -68,15 +68,27 @@ class RunOptions:
     target: str
     """The script's path, or a module's name with `module`."""
     args: tuple[str, ...] = ()
-    nproc: int = 1
+    nproc: int | None = None
+    """Ranks in all (None: from nnodes x nproc_per_node, else 1)."""
     per_node: int | None = None
+    nnodes: str | None = None
+    """torchrun's --nnodes as given: N or N:N."""
+    nproc_per_node: str | None = None
+    """torchrun's --nproc-per-node as given: a number, gpu, cpu or auto."""
+    node_rank: int | None = None
+    standalone: bool = False
+    """Run on an embedded Ray here, whatever RAY_ADDRESS or a `ray start` here say."""
+    unneeded: tuple[str, ...] = ()
+    """torchrun options given that have no use here (--master-port, --rdzv-*...)."""
     address: str | None = None
     name: str | None = None
     timeout: float | None = None
     max_restarts: int = 0
     restart_on: str = "any"
     module: bool = False
-    working_dir: Path = field(default_factory=Path.cwd)
+    working_dir: Path | None = None
+    """The folder shipped to every node; None: the current folder, or the script's own
+    folder when the script is outside it."""
     excludes: tuple[str, ...] = ()
     """Extra gitignore-style patterns left out of the upload."""
     default_excludes: bool = True
@@ -173,14 +185,17 @@ def check_upload(root: Path, excludes: Sequence[str], limit: int) -> Measurement
     raise LaunchError("\n".join(lines))
 
 
-def script_for(options: RunOptions, *, shipped: bool) -> Script:
-    """What every rank runs; the script's path relative to the working dir when shipped.
+def script_for(options: RunOptions, *, shipped: bool) -> tuple[Script, Path]:
+    """What every rank runs, and the folder that holds it (what is shipped, when shipped).
 
-    Paths are compared resolved (`..` and symlinks followed), as the ranks would open them.
+    A script outside the current folder runs where it is on this machine; shipped, its
+    own folder is. Either way its folder is the rank's sys.path[0], as `python script.py`
+    gives. Paths are compared resolved (`..` and symlinks followed), as ranks open them.
     """
-    root = options.working_dir.resolve()
+    root = (options.working_dir or Path()).resolve()
     if not root.is_dir():
         raise LaunchError(f"--working-dir {options.working_dir}: no such folder")
+    folder = root
     if options.module:
         target = options.target
     else:
@@ -191,19 +206,25 @@ def script_for(options: RunOptions, *, shipped: bool) -> Script:
                 "as `python -m` would, use -m NAME"
             )
         _check_syntax(options.target, path)
-        if not path.is_relative_to(root):
+        if path.is_relative_to(root):
+            target = str(path.relative_to(root))
+        elif options.working_dir is not None:
             raise LaunchError(
-                f"{options.target} is outside the working dir {root}, which is what every "
-                "node gets: run from a folder that holds it, or pass --working-dir"
+                f"{options.target} is outside --working-dir {root}, which is what every "
+                "node gets: pass a --working-dir that holds it, or none"
             )
-        target = str(path.relative_to(root))
-    return Script(
+        elif shipped:  # every node gets the script's own folder
+            folder, target = path.parent, path.name
+        else:  # on this machine: run it where it is, from the current folder
+            target = str(path)
+    script = Script(
         target=target,
         args=tuple(options.args),
         module=options.module,
         cwd=None if shipped else str(root),
         local_rank_arg=options.local_rank_arg,
     )
+    return script, folder
 
 
 def _check_syntax(given: str, path: Path) -> None:
@@ -229,17 +250,32 @@ def job_name(options: RunOptions) -> str:
 def validate(options: RunOptions) -> list[str]:
     """Problems with the command line, in its own spelling, before anything starts."""
     problems = []
-    if options.nproc < 1:
-        problems.append(f"--nproc {options.nproc}: must be at least 1")
-    per_node = options.per_node
+    per_node, nproc = options.per_node, options.nproc
+    if nproc is not None and nproc < 1:
+        problems.append(f"--nproc {nproc}: must be at least 1")
     if per_node is not None:
         if per_node < 1:
             problems.append(f"--per-node {per_node}: must be at least 1")
-        elif options.nproc >= 1 and options.nproc % per_node:
+        elif nproc is not None and nproc >= 1 and nproc % per_node:
             problems.append(
-                f"--per-node {per_node} does not divide --nproc {options.nproc}; "
-                f"valid: {placement.valid_per_node(options.nproc)}"
+                f"--per-node {per_node} does not divide --nproc {nproc}; "
+                f"valid: {placement.valid_per_node(nproc)}"
             )
+    given = options.nproc_per_node
+    if given is not None and not given.isdigit() and given not in torchrun.SYMBOLIC:
+        problems.append(
+            f"--nproc-per-node {given}: give a number of ranks per node, or gpu, cpu or auto"
+        )
+    if options.node_rank not in (None, 0):
+        problems.append(
+            f"--node-rank {options.node_rank}: one `orchestrator run` launches the ranks of "
+            "every node (torchrun runs once per node); run it once, from any machine that "
+            "reaches the cluster, without --node-rank"
+        )
+    if options.standalone and options.address:
+        problems.append(
+            f"--standalone and --address {options.address}: give one (--standalone runs here)"
+        )
     if options.timeout is not None and options.timeout <= 0:
         problems.append(f"--timeout {options.timeout:g}: must be a number of seconds > 0")
     if options.max_restarts < 0:
@@ -247,6 +283,17 @@ def validate(options: RunOptions) -> list[str]:
     if options.max_upload < 0:
         problems.append(f"--max-upload {options.max_upload}: must be a size >= 0")
     return problems
+
+
+def _layout(options: RunOptions, *, one_machine: bool) -> torchrun.Layout:
+    """The ranks' count and per-node count; gpu/cpu/auto against the cluster's nodes."""
+    nnodes = torchrun.parse_nnodes(options.nnodes) if options.nnodes is not None else None
+    given = options.nproc_per_node
+    per = None
+    if given is not None:
+        nodes = [] if given.isdigit() else cluster.nodes()
+        per = torchrun.per_node_for(given, nodes, one_machine=one_machine)
+    return torchrun.layout(options.nproc, options.per_node, nnodes, per)
 
 
 def cluster_address(address: str | None) -> str | None:
@@ -266,26 +313,42 @@ def run(options: RunOptions) -> int:
     problems = validate(options)
     if problems:
         raise LaunchError("\n".join(problems))
-    target = cluster_address(options.address)
+    if options.nproc_per_node is None or options.nproc_per_node.isdigit():
+        _layout(options, one_machine=True)  # wrong counts are refused before anything starts
+    elif options.nnodes is not None:
+        torchrun.parse_nnodes(options.nnodes)
+    if options.unneeded:
+        messages.say(
+            f"{', '.join(options.unneeded)}: not needed here (rank 0's address and a free "
+            "port are found for every call; one command launches every node); ignored"
+        )
+    target = None if options.standalone else cluster_address(options.address)
+    if options.standalone:
+        _say_standalone()
     # The embedded instance, and a one-node `ray start` or local runtime here, run on this
     # machine: the ranks read the files in place (and may start in warm spares).
     shipped = bool(target) and options.upload and not _only_this_machine(target)
-    script = script_for(options, shipped=shipped)
-    fn = distribute(
-        run_script,
-        num_replicas=options.nproc,
-        replicas_per_node=options.per_node,
-        name=job_name(options),
-        address=options.address,
-        timeout=options.timeout,
-        env=dict(options.env),
-        max_restarts=options.max_restarts,
-        restart_on=options.restart_on,
-    )
+    script, folder = script_for(options, shipped=shipped)
     started = False
+    name = job_name(options)
     try:
         if shipped:
-            _join_and_ship(target or "", options)
+            _join_and_ship(target or "", folder, options)
+        elif options.standalone or options.nproc_per_node is not None:
+            hint = _slots_hint(options)
+            cluster.connect(options.address, min_cpus=hint, standalone=options.standalone)
+        layout = _layout(options, one_machine=not shipped)
+        fn = distribute(
+            run_script,
+            num_replicas=layout.nproc,
+            replicas_per_node=layout.per_node,
+            name=name,
+            address=options.address,
+            timeout=options.timeout,
+            env=dict(options.env),
+            max_restarts=options.max_restarts,
+            restart_on=options.restart_on,
+        )
         with fn:
             started = True
             fn(script)
@@ -296,7 +359,7 @@ def run(options: RunOptions) -> int:
         _report(err)
         return _exit_status(err)
     except KeyboardInterrupt:
-        stopped = f": every rank of {fn.name} was stopped" if started else ""
+        stopped = f": every rank of {name} was stopped" if started else ""
         messages.say(f"interrupted{stopped}")
         return EXIT_INTERRUPTED
     finally:
@@ -305,14 +368,37 @@ def run(options: RunOptions) -> int:
     return 0
 
 
-def _join_and_ship(address: str, options: RunOptions) -> None:
-    """Join the cluster with the working dir as the job's runtime_env, after the size guard."""
+def _slots_hint(options: RunOptions) -> float:
+    """CPUs an embedded instance needs at least for this job (cpu/auto: this machine's)."""
+    nnodes = torchrun.parse_nnodes(options.nnodes) if options.nnodes else 1
+    given = options.nproc_per_node or "1"
+    per = int(given) if given.isdigit() else os.cpu_count() or 1
+    return max(options.nproc or 0, nnodes * per)
+
+
+def _say_standalone() -> None:
+    """Say what --standalone leaves aside, if anything."""
+    ignored = []
+    if os.environ.get("RAY_ADDRESS"):
+        ignored.append(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}")
+    live, _ = cluster.local_cluster()
+    if live:
+        ignored.append(f"the Ray cluster running here at {live}")
+    if ignored:
+        messages.say(
+            "--standalone: running on an embedded Ray instance here; ignoring "
+            + " and ".join(ignored)
+        )
+
+
+def _join_and_ship(address: str, root: Path, options: RunOptions) -> None:
+    """Join the cluster with `root` as the job's runtime_env, after the size guard."""
     # The list holds Ray's own default excludes: what is measured is what Ray uploads.
     excludes = upload_excludes(options)
-    root = options.working_dir.absolute()
     measured = check_upload(root, excludes, options.max_upload)
     size = f"{measured.files} files, {format_size(measured.total)}" if measured else "size unknown"
-    messages.say(f"shipping {root} to the cluster at {address}: {size}")
+    why = "" if root == Path.cwd().resolve() else " (the script's folder: it is outside this one)"
+    messages.say(f"shipping {root}{why} to the cluster at {address}: {size}")
     cluster.check_reachable(address, "address")
     # Per-actor runtime_envs take URIs only; the job's own takes a local folder and
     # uploads it once (content-addressed: an unchanged folder is not sent again).

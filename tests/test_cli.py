@@ -7,12 +7,15 @@ conftest.py with --address, so the working dir really travels through Ray's runt
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -277,6 +280,91 @@ def test_working_dir_shipped_helper_imports_and_local_rank_arg(cluster, tmp_path
         assert cwd != str(project) and Path(cwd).name != "proj", cwd
 
 
+def test_torchrun_spellings_and_a_script_outside_the_folder_on_a_cluster(cluster, tmp_path):
+    """torchrun's command line with the program name swapped; the script's own folder is
+    shipped when it lies outside the current one, and is its sys.path[0] on every rank."""
+    write(
+        tmp_path / "scripts",
+        {
+            "train.py": """\
+                import os, sys
+                import helper
+                print(f"rank={os.environ['RANK']} group={os.environ['GROUP_RANK']} "
+                      f"local_world={os.environ['LOCAL_WORLD_SIZE']} helper={helper.VALUE} "
+                      f"path0={os.path.basename(sys.path[0]) == os.path.basename(os.getcwd())} "
+                      f"args={sys.argv[1:]}", flush=True)
+            """,
+            "helper.py": "VALUE = 'beside'\n",
+        },
+    )
+    here = tmp_path / "here"
+    here.mkdir()
+    proc = cli(
+        f"run --address {cluster.address} --nnodes 2:2 --nproc_per_node gpu "
+        "--master-addr 10.0.0.1 --rdzv-id x ../scripts/train.py --lr 0.1",
+        cwd=here,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 0, show(proc)
+    assert "(the script's folder: it is outside this one)" in proc.stderr, show(proc)
+    assert "--master-addr, --rdzv-id: not needed here" in proc.stderr, show(proc)
+    found = re.findall(
+        r"rank=(\d) group=(\d) local_world=2 helper=beside path0=True args=\['--lr', '0.1'\]",
+        proc.stdout,
+    )
+    # gpu: 2 per node, as Ray reports the fixture's nodes; 2 nodes.
+    assert sorted(found) == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")], show(proc)
+
+
+def test_torchrun_spellings_on_this_machine_and_what_is_refused(tmp_path, capsys):
+    """On the embedded default a script elsewhere runs where it is, from the current folder."""
+    write(
+        tmp_path / "elsewhere",
+        {
+            "train.py": """\
+                import os, sys
+                import helper
+                print(f"R{os.environ['RANK']}/{os.environ['WORLD_SIZE']} {sys.path[0]} "
+                      f"{os.getcwd()} {helper.VALUE}", flush=True)
+            """,
+            "helper.py": "VALUE = 'beside'\n",
+        },
+    )
+    here = tmp_path / "here"
+    here.mkdir()
+    script = tmp_path / "elsewhere" / "train.py"
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's socket paths must be short
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "orchestrator.run", "--standalone", "--nnodes", "2",
+             "--nproc-per-node", "1", str(script)],
+            cwd=here,
+            env={**cli_env(tmp_path), "RAY_ADDRESS": "10.9.9.9:6379", "RAY_TMPDIR": ray_tmp},
+            capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, show(proc)
+    assert "--standalone: running on an embedded Ray instance here; ignoring RAY_ADDRESS" in (
+        proc.stderr
+    ), show(proc)
+    for rank in (0, 1):
+        assert f"R{rank}/2 {script.parent} {here} beside" in proc.stdout, show(proc)
+    refused = {
+        "--nnodes 1:4": "an elastic range of nodes is not supported",
+        "--node-rank 1": "one `orchestrator run` launches the ranks of every node",
+        "--nproc 3 --nnodes 2": "cannot be spread evenly over --nnodes 2; valid --nnodes: 1, 3",
+        "--nproc 6 --nnodes 2 --nproc-per-node 2": "disagrees with --nnodes 2 x",
+        "--nproc-per-node lots": "give a number of ranks per node, or gpu, cpu or auto",
+        "--per-node 2 --nproc-per-node 3": "disagree: give one",
+    }
+    for flags, said in refused.items():
+        started = time.monotonic()
+        assert main(["run", *flags.split(), str(script)]) == 2, flags
+        assert time.monotonic() - started < 1, flags  # before any Ray starts
+        assert said in capsys.readouterr().err, flags
+
+
 def test_module_in_place_with_no_upload(cluster, tmp_path):
     project = write(
         tmp_path / "proj",
@@ -445,7 +533,75 @@ def test_path_checks_follow_dots_and_symlinks(tmp_path, monkeypatch):
     (project / "alias.py").symlink_to(project / "sub" / "x.py")
     monkeypatch.chdir(project)
     for sneaky in ("../outside.py", "sub/../../outside.py", "linked.py"):
-        with pytest.raises(LaunchError, match="outside the working dir"):
+        with pytest.raises(LaunchError, match="is outside --working-dir"):
             script_for(RunOptions(sneaky, working_dir=project), shipped=True)
-    assert script_for(RunOptions("sub/../inside.py"), shipped=True).target == "inside.py"
-    assert script_for(RunOptions("alias.py"), shipped=True).target == "sub/x.py"
+    assert script_for(RunOptions("sub/../inside.py"), shipped=True)[0].target == "inside.py"
+    assert script_for(RunOptions("alias.py"), shipped=True)[0].target == "sub/x.py"
+    # Without --working-dir, a script outside the folder is not refused: shipped, its own
+    # folder goes; here, it runs where it is (both resolved first).
+    shipped, folder = script_for(RunOptions("linked.py"), shipped=True)
+    assert (shipped.target, folder) == ("outside.py", tmp_path)
+    in_place, folder = script_for(RunOptions("../outside.py"), shipped=False)
+    assert in_place.target == str(tmp_path / "outside.py")
+    assert (in_place.cwd, folder) == (str(project), project)
+
+
+CONTRACT = """\
+    import json, os
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        keys = sorted(k for k in os.environ if k not in json.loads(os.environ["PARENT_KEYS"]))
+        print("KEYS", os.environ["RANK"], json.dumps(keys), dist.is_torchelastic_launched(),
+              os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"]) != "", flush=True)
+        if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
+            raise ValueError("bad shard 7")
+
+    main()
+"""
+
+
+def test_torchrun_s_contract_variables_and_record_reports(tmp_path):
+    """Every variable torchrun's agent gives a worker, a rank gets too; and an entry point
+    decorated with torch's `record` is reported from its error file, as torchrun does."""
+    write(tmp_path, {"contract.py": CONTRACT})
+    env = cli_env(tmp_path)
+    env["PARENT_KEYS"] = json.dumps([*sorted(env), "PARENT_KEYS"])
+
+    def keys(stdout: str) -> dict[str, tuple[list[str], str, str]]:
+        found = re.findall(r"KEYS (\d) (\[.*\]) (\w+) (\w+)", stdout)
+        return {rank: (json.loads(names), *flags) for rank, names, *flags in found}
+
+    theirs = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "contract.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )
+    assert theirs.returncode == 0, show(theirs)
+    # On a cluster (the session's, when it runs) ranks do not inherit the driver's variables.
+    given = ["--env", f"PARENT_KEYS={env['PARENT_KEYS']}"]
+    ours = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", "--nproc-per-node", "2", *given,
+         "contract.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )
+    assert ours.returncode == 0, show(ours)
+    their_keys, our_keys = keys(theirs.stdout), keys(ours.stdout)
+    assert sorted(their_keys) == sorted(our_keys) == ["0", "1"], (show(theirs), show(ours))
+    for rank in ("0", "1"):
+        missing = set(their_keys[rank][0]) - set(our_keys[rank][0])
+        assert not missing, missing  # TORCHELASTIC_ERROR_FILE, TORCH_NCCL_ASYNC_ERROR_HANDLING...
+        assert our_keys[rank][1:] == ("True", "True")  # is_torchelastic_launched(); a file
+    failed = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", "--nproc", "2", *given,
+         "--env", "FAIL_RANK=1", "contract.py"],
+        cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )
+    assert failed.returncode == 1, show(failed)
+    report = failed.stderr.split("the job failed: ", 1)[1]
+    first, when, where = report.splitlines()[:3]
+    assert first.endswith("raised ValueError: bad shard 7"), report  # record's message
+    assert when.startswith("  time      : 20") and "error_file: " in where, report
+    assert 'contract.py", line 11, in main' in report and "in wrapper" in report, report

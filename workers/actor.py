@@ -10,12 +10,13 @@ import socket
 import threading
 import time
 import traceback
+from dataclasses import replace
 from typing import Any
 
 import cloudpickle
 import ray
 
-from workers import _compat, debugger, environment, script, sharing, stacks
+from workers import _compat, debugger, elastic, environment, script, sharing, stacks
 from workers.capture import Capture
 from workers.protocol import NodeInfo, OutputChunk, Payload, RankFailure, RankResult, RankSpec
 
@@ -118,6 +119,9 @@ class RankActor:
             del payload, buffers  # this rank holds no reference to the object store's copy
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return self._failure(exc, time.time(), setup=True)
+        error_file = os.environ.get(elastic.VAR, "")
+        elastic.forget(error_file)  # an earlier call's
+        started = time.time()
         try:
             with script.driver_main(fn):
                 value = fn(*args, **kwargs)
@@ -126,7 +130,19 @@ class RankActor:
             if spec.post_mortem and exc.__traceback__ is not None:
                 debugger.post_mortem(exc.__traceback__)
             _destroy_process_group()
-            return self._failure(exc, when, setup=False)
+            failure = self._failure(exc, when, setup=False)
+            report = elastic.read(error_file, started)
+            if report is None:
+                return failure
+            message = report.message.removeprefix(f"{type(exc).__name__}: ")
+            # What torch's `record` wrote, as torchrun reports it (the time stays ours:
+            # `record` keeps whole seconds, too coarse to tell which rank failed first).
+            return replace(
+                failure,
+                message=message or failure.message,
+                traceback=report.traceback or failure.traceback,
+                error_file=report.path,
+            )
         _destroy_process_group()
         next_port = self._store_for_next_call() if spec.rank == 0 else None
         return RankResult(

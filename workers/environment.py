@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from workers import sharing
+from workers import elastic, sharing
 from workers.protocol import RankSpec
 
 _SIOCGIFADDR = 0x8915
@@ -98,8 +98,11 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def rank_env(spec: RankSpec) -> dict[str, str]:
-    """The variables torchrun would give this rank, plus the user's `env`."""
+def rank_env(spec: RankSpec, error_file: str = "") -> dict[str, str]:
+    """The variables torchrun would give this rank, plus the user's `env`.
+
+    `error_file`: TORCHELASTIC_ERROR_FILE, where torch's `record` writes an uncaught error.
+    """
     env = {
         "RANK": str(spec.rank),
         "WORLD_SIZE": str(spec.world_size),
@@ -121,6 +124,10 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
         "TORCHELASTIC_RESTART_COUNT": str(spec.restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "RESTART_COUNT": str(spec.restart_count),
+        "TORCHELASTIC_ERROR_FILE": error_file,
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # as torchrun's agent sets it
+        # torchrun's launcher leaves its default in every worker's environment.
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "OMP_NUM_THREADS": str(default_threads(spec)),
         "ORCHESTRATOR_NODE_IP": spec.node_ip,
     }
@@ -135,7 +142,7 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
 
 def apply(spec: RankSpec) -> None:
     """Set this process's environment for `spec` and bind its GPU, before user code."""
-    os.environ.update(rank_env(spec))
+    os.environ.update(rank_env(spec, elastic.error_file()))
     if spec.workdir and os.path.isdir(spec.workdir):
         os.chdir(spec.workdir)
     # breakpoint() opens a pdb the driver's machine can attach to (Ray installs its

@@ -89,6 +89,9 @@ class RankFailure:
     """The exception itself, cloudpickled, when it could be pickled."""
     output_seq: int = 0
     """Seq of the last output chunk written before the failure was reported."""
+    error_file: str = ""
+    """The torchelastic error file the message, time and traceback were read from, if the
+    rank's entry point used torch's `record` (as torchrun's root-cause summary does)."""
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,9 @@ def main(path: str, out_fd: int, err_fd: int, tee_fd: int, lifeline: int) -> Non
     _sweep(target.parent)
     time.sleep(KEEP_S)
     target.unlink(missing_ok=True)
+    # The dead rank's torchelastic error file (see workers.elastic), read by now.
+    pid = target.stem.removeprefix("tail-")
+    (target.parent / f"torchelastic-error-{pid}.json").unlink(missing_ok=True)
 
 
 def _sweep(folder: Path) -> None:
