@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator import cluster
+from orchestrator import cluster, messages
 from orchestrator.errors import (
     CRASH,
     describe_rank,
@@ -26,6 +26,7 @@ from orchestrator.errors import (
 )
 from orchestrator.logs import Console
 from orchestrator.pool import Pool, StopRequested
+from orchestrator.status import StatusLine
 from workers import sharing
 from workers.capture import EXIT_STREAM, STATE_STREAM
 from workers.protocol import OutputChunk, Payload, RankFailure, RankResult
@@ -121,10 +122,23 @@ class Call:
         self.results: dict[int, Any] = {}
         self.failures: list[RankFailure] = []
         self.gather_until: float | None = None
-        self.time_limit = None if timeout is None else time.monotonic() + timeout
+        self.started = time.monotonic()
+        self.time_limit = None if timeout is None else self.started + timeout
+        quiet = console.sink is not None  # a notebook cell shows the ranks' table instead
+        self.status = None if quiet else StatusLine(pool.name, len(pool.actors), self.started)
 
     def wait(self) -> list[Any]:
         """Watch every rank until all are done or one failed; results by rank."""
+        try:
+            self._watch()
+        finally:
+            messages.clear_in_place()  # a status line, if one is drawn
+        self.console.flush()
+        if self.failures:
+            raise distributed_error(self.failures, self.console.log_dir)
+        return [self.results[rank] for rank in range(len(self.pool.actors))]
+
+    def _watch(self) -> None:
         console = self.console
         while self._busy():
             if self.stop.is_set():
@@ -136,7 +150,8 @@ class Call:
                 self._time_out()
             self._request_output()
             draining = {ref: rank for rank, ref in self.drains.items()}
-            wake = [t for t in (self.gather_until, self.time_limit, console.tick(now)) if t]
+            status = self.status.tick(now, console.last_output) if self.status else None
+            wake = [t for t in (self.gather_until, self.time_limit, console.tick(now), status) if t]
             for ready in _ready([*self.runs, *draining], min(wake) - now if wake else None):
                 if self.stop.is_set():
                     raise StopRequested
@@ -144,10 +159,6 @@ class Call:
                     self._take(self._outcome(self.runs.pop(ready), ready))
                 else:
                     self._show(draining[ready], ready)
-        console.flush()
-        if self.failures:
-            raise distributed_error(self.failures, console.log_dir)
-        return [self.results[rank] for rank in range(len(self.pool.actors))]
 
     def rank_state(self, rank: int, *, stopped: bool) -> str:
         """finished, failed, running (or what it waits on); `stopped` when the call ended."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import html
 import os
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -77,7 +78,8 @@ class DistributedFunction(Generic[P, R]):
         shipped = call.ship(payload)
         job: Job[R] = Job(self.name, options.num_replicas, runner.stop)
         if show_in_cell:
-            job.view = notebook.CellOutput(f"[{self.name}] submitted")
+            job.view = notebook.CellOutput(f"[{self.name}] submitted", table=job.table)
+            job.view.tick_while(lambda: not job.done())
         job.owner = self  # the pool lives while a job of it is not done
         try:
             runner.submit(job, shipped, options, plan)
@@ -127,6 +129,13 @@ class DistributedFunction(Generic[P, R]):
     ) -> None:
         """Release everything."""
         self.shutdown()
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the ranks' table of its last call, as it is now."""
+        last = self._runner.last
+        if last is None:
+            return f"<code>{html.escape(repr(self))}</code>: not called yet"
+        return last.table().html()
 
     def __repr__(self) -> str:
         """E.g. <DistributedFunction train x4 (2 per node)>."""

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import contextvars
 import threading
+import time
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -14,13 +15,14 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from orchestrator import messages
 from orchestrator.call import stacks
-from orchestrator.errors import summary
+from orchestrator.errors import describe, summary
 from orchestrator.logs import read_log
-from orchestrator.notebook import CellOutput
+from orchestrator.notebook import CellOutput, RankRow, Table
 from workers import debugger
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
+    from workers.protocol import RankFailure
 
 R = TypeVar("R")
 
@@ -92,6 +94,9 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         self.owner: Any = None
         """Keeps the distributed function (and its pool) alive while the job is not done."""
         self._stop = stop
+        self._error: BaseException | None = None
+        self._ran: list[float] = []
+        """When its ranks started running, and when it ended (time.monotonic())."""
         self._phase = QUEUED
         self._waiting_for: str | None = None
         self._failed_attempts: list[str] = []
@@ -160,6 +165,36 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         call = self.call
         return stacks(call.pool) if call is not None and self.running() else {}
 
+    def table(self) -> Table:
+        """The ranks as a table (rank, node, state, elapsed, restarts, last output); when
+        the job failed, the root cause first."""
+        status, call = self.status(), self.call
+        ran = self._ran
+        elapsed = (ran[1] if len(ran) > 1 else time.monotonic()) - ran[0] if ran else 0.0
+        root = self._root_cause()
+        rows = [
+            RankRow(
+                rank=r.rank,
+                node=r.node_ip or "-",
+                state=r.state,
+                elapsed=elapsed,
+                restarts=status.restarts,
+                last_line=call.console.last_lines[r.rank] if call is not None else "",
+                root_cause=root is not None and root.rank == r.rank,
+            )
+            for r in status.ranks
+        ]
+        rows.sort(key=lambda row: not row.root_cause)
+        cause = describe(root, limit=200) if root is not None else None
+        return Table(f"[{self.name}] {status.state}", tuple(rows), cause)
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the ranks' table, as it is now."""
+        return self.table().html()
+
+    def _root_cause(self) -> RankFailure | None:
+        return None if self.cancelled() else getattr(self._error, "root_cause", None)
+
     def __await__(self) -> Generator[Any, None, list[R]]:
         """`await job` in asyncio: the ranks' results; cancelling the await cancels the job."""
         return asyncio.wrap_future(self).__await__()
@@ -174,6 +209,8 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
     def set_phase(self, phase: str, waiting_for: str | None = None) -> None:
         """Record the job's progress: pending (with what it waits for), starting, running."""
         self._waiting_for = waiting_for
+        if phase == RUNNING and not self._ran:
+            self._ran.append(time.monotonic())
         changed, self._phase = phase != self._phase, phase
         if changed and self.view is not None:
             detail = f": {waiting_for}" if waiting_for else ""
@@ -202,6 +239,7 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
         if self.stop_requested.is_set():
             return  # cancel() settles a job it stopped, and tells everyone
         self._phase = FAILED if error is not None else FINISHED
+        self._error = error  # the table shows its root cause from the next redraw on
         why = f": {str(error).splitlines()[0]}" if error is not None else ""
         self._show(f"{self._phase}{why}")  # before the waiter wakes, so its cell sees it
         self.discard()
@@ -213,6 +251,8 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
 
     def discard(self) -> None:
         """Stop tracking a settled job, or one whose submit failed (for exit and GC)."""
+        if len(self._ran) == 1:
+            self._ran.append(time.monotonic())  # its elapsed time stops here
         _live.discard(self)
         self.owner = None
 

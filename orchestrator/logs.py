@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from orchestrator import messages
 from workers.capture import RAY_MARKERS
 from workers.protocol import OutputChunk
 
@@ -63,6 +64,10 @@ class Console:
         self.show = None if show is None else frozenset(show)
         self.printed = [0] * num_ranks
         """Per rank, the seq of the last chunk taken in."""
+        self.last_lines = [""] * num_ranks
+        """Per rank, the last line it wrote (shown or not)."""
+        self.last_output = time.monotonic()
+        """When a rank last wrote anything (time.monotonic())."""
         self._streams: dict[tuple[int, str], _Stream] = {}
         self._files: dict[int, TextIO] = {}
         self.sink = sink
@@ -78,6 +83,8 @@ class Console:
         """Take in `chunks`: complete lines are shown at once, a partial line later."""
         now = time.monotonic() if now is None else now
         for chunk in chunks:
+            if chunk.data:
+                self.last_output = now
             key = (rank, chunk.stream)
             state = self._streams.setdefault(key, _Stream())
             text = state.pending + state.decoder.decode(chunk.data)
@@ -142,6 +149,7 @@ class Console:
         lines = [line for line in lines if not line.startswith(_RAY_MARKERS)]
         if not lines:
             return
+        self.last_lines[rank] = lines[-1]
         if self.log_dir is not None:
             self._file(rank).write("".join(f"{line}\n" for line in lines))
         if self.show is not None and rank not in self.show:
@@ -155,6 +163,7 @@ class Console:
         if self.sink is not None:
             self.sink(stream, text)
             return
+        messages.clear_in_place()  # a status line, if one is drawn
         out.write(text)
         out.flush()
 

@@ -16,15 +16,38 @@ import sys
 logger = logging.getLogger("orchestrator")
 
 
+IN_PLACE = "orchestrator_in_place"
+"""A record with this attribute true is drawn over the last one so drawn (a status line)."""
+_drawn = False
+"""Whether a line drawn in place is on the terminal now."""
+
+
 class _CurrentStderr(logging.Handler):
     """Writes each record to the sys.stderr of the moment (a notebook cell's, a redirect)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        """Print the formatted record and flush."""
+        """Print the formatted record and flush; an IN_PLACE one without its newline."""
+        global _drawn  # noqa: PLW0603 - one terminal line per process
         try:
-            print(self.format(record), file=sys.stderr, flush=True)
+            text = self.format(record)
+            if getattr(record, IN_PLACE, False):
+                sys.stderr.write(f"\r\x1b[K{text}")
+                sys.stderr.flush()
+                _drawn = True
+                return
+            clear_in_place()
+            print(text, file=sys.stderr, flush=True)
         except Exception:  # noqa: BLE001 - logging's own policy for a failing handler
             self.handleError(record)
+
+
+def clear_in_place() -> None:
+    """Erase a line drawn in place (a status line) before other output takes the terminal."""
+    global _drawn  # noqa: PLW0603 - one terminal line per process
+    if _drawn:
+        _drawn = False
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
 
 
 def _install() -> None:

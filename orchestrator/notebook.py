@@ -12,16 +12,21 @@ messages of the cell they are executing.
 from __future__ import annotations
 
 import contextvars
+import html
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 MAX_LINES = 1000
 """Lines a cell shows at most; older ones are only in the job's log files."""
 _UPDATE_S = 0.25
 """A cell's display is redrawn at most this often."""
+_TICK_S = 1.0
+"""While its job runs, a cell's table is redrawn this often (elapsed times)."""
 
 
 def in_kernel() -> bool:
@@ -34,21 +39,92 @@ def in_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+@dataclass(frozen=True)
+class RankRow:
+    """One rank's row of a job's table."""
+
+    rank: int
+    node: str
+    state: str
+    elapsed: float
+    restarts: int
+    last_line: str
+    root_cause: bool = False
+
+
+@dataclass(frozen=True)
+class Table:
+    """A job's ranks as a table: the root cause's rank first, if one failed."""
+
+    title: str
+    rows: tuple[RankRow, ...]
+    cause: str | None = None
+    """The root cause, in one line, when the job failed."""
+
+    def text(self, output: Sequence[str] = ()) -> str:
+        """Plain text: title, root cause, one line per rank, then `output`."""
+        lines = [self.title] + ([f"root cause: {self.cause}"] if self.cause else [])
+        header = ("rank", "node", "state", "elapsed", "restarts", "last output")
+        cells = [header] + [
+            (
+                f"r{r.rank}",
+                r.node,
+                r.state + (" (root cause)" if r.root_cause else ""),
+                clock(r.elapsed),
+                str(r.restarts),
+                r.last_line[:80],
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header) - 1)]
+        for row in cells:
+            head = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
+            lines.append(f"{head}  {row[-1]}".rstrip())
+        return "\n".join([*lines, *output])
+
+    def html(self, output: Sequence[str] = ()) -> str:
+        """HTML: the same, failed ranks marked in red, `output` below in a <pre>."""
+        esc = html.escape
+        parts = [f"<div><b>{esc(self.title)}</b>"]
+        if self.cause:
+            parts.append(f'<div style="color:#b00020"><b>root cause:</b> {esc(self.cause)}</div>')
+        parts.append(
+            "<table><tr><th>rank</th><th>node</th><th>state</th><th>elapsed</th>"
+            "<th>restarts</th><th>last output</th></tr>"
+        )
+        for r in self.rows:
+            failed = ' style="color:#b00020;font-weight:bold"' if r.state == "failed" else ""
+            cause = " (root cause)" if r.root_cause else ""
+            parts.append(
+                f"<tr{failed}><td>r{r.rank}</td><td>{esc(r.node)}</td>"
+                f"<td>{esc(r.state)}{cause}</td><td>{clock(r.elapsed)}</td>"
+                f"<td>{r.restarts}</td><td><code>{esc(r.last_line[:120])}</code></td></tr>"
+            )
+        parts.append("</table>")
+        if output:
+            parts.append(f"<pre>{esc(chr(10).join(output))}</pre>")
+        return "".join([*parts, "</div>"])
+
+
 class CellOutput:
-    """The display of the cell that submitted a job, holding the job's newest lines."""
+    """The display of the cell that submitted a job: its ranks' table, then its newest lines.
 
-    def __init__(self, title: str) -> None:
-        """Show `title` in the current cell; lines written later go below it."""
-        from IPython.display import Pretty, display
+    Redrawn in place (one display, updated) as lines arrive and, while the job runs,
+    every second for the elapsed times.
+    """
 
-        self._pretty = Pretty
+    def __init__(self, title: str, table: Callable[[], Table | None] | None = None) -> None:
+        """Show `title` (and `table()`, when it gives one) in the current cell."""
+        from IPython.display import display
+
         self._title = title
+        self._table = table or (lambda: None)
         self._lines: deque[str] = deque(maxlen=MAX_LINES)
         self._seen = 0
         self._lock = threading.RLock()
         self._last = 0.0
         self._timer: threading.Timer | None = None
-        self._handle: Any = display(Pretty(title), display_id=True)
+        self._handle: Any = display(self._bundle(), raw=True, display_id=True)
 
     def write(self, stream: str, text: str) -> None:
         """Add `text` (whole lines, each ending in a newline) to the cell."""
@@ -56,6 +132,34 @@ class CellOutput:
             lines = text.splitlines()
             self._lines.extend(lines)
             self._seen += len(lines)
+        self._soon()
+
+    def set_title(self, title: str) -> None:
+        """Change the first line (the job's state) and redraw."""
+        with self._lock:
+            self._title = title
+        self.flush()
+
+    def tick_while(self, running: Callable[[], bool]) -> None:
+        """Redraw every second while `running()` (the elapsed times move on)."""
+
+        def again() -> None:
+            if running():
+                self.flush()
+                self._ticker(again)
+
+        self._ticker(again)
+
+    def flush(self) -> None:
+        """Redraw the cell with the table and every line so far."""
+        with self._lock:  # held while sending too, so that redraws arrive in order
+            self._timer = None
+            self._last = time.monotonic()
+            # An empty context: the kernel's current parent message, not the submitter's.
+            contextvars.Context().run(self._handle.update, self._bundle(), raw=True)
+
+    def _soon(self) -> None:
+        with self._lock:
             wait = self._last + _UPDATE_S - time.monotonic()
             if wait > 0:
                 if self._timer is None:
@@ -65,21 +169,29 @@ class CellOutput:
                 return
         self.flush()
 
-    def set_title(self, title: str) -> None:
-        """Change the first line (the job's state) and redraw."""
-        with self._lock:
-            self._title = title
-        self.flush()
+    @staticmethod
+    def _ticker(then: Callable[[], None]) -> None:
+        timer = threading.Timer(_TICK_S, then)
+        timer.daemon = True
+        timer.start()
 
-    def flush(self) -> None:
-        """Redraw the cell with every line so far."""
-        with self._lock:  # held while sending too, so that redraws arrive in order
-            self._timer = None
-            self._last = time.monotonic()
+    def _bundle(self) -> dict[str, str]:
+        with self._lock:
             hidden = self._seen - len(self._lines)
-            head = [self._title]
+            output = list(self._lines)
             if hidden:
-                head.append(f"... {hidden} earlier line(s) are in the job's log files")
-            text = "\n".join([*head, *self._lines])
-            # An empty context: the kernel's current parent message, not the submitter's.
-            contextvars.Context().run(self._handle.update, self._pretty(text))
+                output.insert(0, f"... {hidden} earlier line(s) are in the job's log files")
+            table = self._table()
+            if table is None:
+                text = "\n".join([self._title, *output])
+                return {"text/plain": text}
+            table = Table(self._title, table.rows, table.cause)
+            return {"text/plain": table.text(output), "text/html": table.html(output)}
+
+
+def clock(seconds: float) -> str:
+    """0:42, 12:05, 1:02:03."""
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

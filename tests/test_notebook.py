@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -57,6 +58,16 @@ CELLS = [
     "        raise RuntimeError('first attempt fails')\n"
     "    return 1\n"
     "print(distribute(flaky, num_replicas=2, replicas_per_node=1, max_restarts=1)())",
+    # A submitted job that fails: its table marks the rank and puts the root cause first;
+    # a Job shown as a cell's value renders as the same table.
+    "def boom():\n"
+    "    print('about to fail', flush=True)\n"
+    "    if os.environ['RANK'] == '1':\n"
+    "        raise ValueError('bad shard 7')\n"
+    "    return 0\n"
+    "failing = distribute(boom, num_replicas=2, replicas_per_node=1, name='boom').submit()\n"
+    "failing.exception(timeout=120)\n"
+    "failing",
 ]
 INTERRUPTED = 8
 """The cell nbclient interrupts after INTERRUPT_AFTER_S, as the stop button would."""
@@ -85,11 +96,19 @@ def _text(cell: nbformat.NotebookNode) -> str:
     )
 
 
-def _displayed(cell: nbformat.NotebookNode) -> str:
+def _displayed(cell: nbformat.NotebookNode, kind: str = "text/plain") -> str:
     return "".join(
-        out.get("data", {}).get("text/plain", "")
+        out.get("data", {}).get(kind, "")
         for out in cell.outputs
         if out.get("output_type") == "display_data"
+    )
+
+
+def _value(cell: nbformat.NotebookNode, kind: str) -> str:
+    return "".join(
+        out.get("data", {}).get(kind, "")
+        for out in cell.outputs
+        if out.get("output_type") == "execute_result"
     )
 
 
@@ -117,6 +136,10 @@ def test_rank_output_lands_in_the_calling_cell(fresh_ray_dir):
     assert "[bg r0] later from rank 0" in shown, submitting.outputs
     assert "[bg r1] later from rank 1" in shown
     assert shown.startswith("[bg] finished")
+    # Above the output, the ranks' table (live while it ran), as text and as HTML.
+    assert re.search(r"r0 +\S+ +finished +0:0[2-9] +0 +later from rank 0", shown), shown
+    table = _displayed(submitting, "text/html")
+    assert "<table>" in table and table.index("<table>") < table.index("later from rank 1")
     assert _text(meanwhile) == "working meanwhile\n"
     assert _text(waiting) == "[0, 1]\n"
     assert not _displayed(waiting) and not _displayed(meanwhile)
@@ -126,3 +149,10 @@ def test_rank_output_lands_in_the_calling_cell(fresh_ray_dir):
     assert _text(nb.cells[INTERRUPTED + 1]) == "2\n"  # fresh ranks, same function
     restarted = _text(nb.cells[INTERRUPTED + 2])
     assert "[flaky] attempt 1 failed: rank 1" in restarted and "[1, 1]" in restarted, restarted
+    failing = nb.cells[INTERRUPTED + 3]
+    shown = _displayed(failing, "text/html")
+    assert shown.index("root cause:</b> rank 1") < shown.index("<table>"), shown
+    assert shown.index("failed (root cause)") < shown.index("<td>r0</td>"), shown  # first
+    assert 'style="color:#b00020;font-weight:bold"><td>r1</td>' in shown, shown
+    value = _value(failing, "text/html")
+    assert "<table>" in value and "bad shard 7" in value and "about to fail" in value, value

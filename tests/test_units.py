@@ -419,3 +419,41 @@ def test_driver_messages_go_through_logging(capsys):
     finally:
         log.handlers[:] = saved
     assert caught == ["[train] elsewhere"] and capsys.readouterr().err == ""
+
+
+def test_status_line_of_a_quiet_call(capsys, monkeypatch):
+    """Shown after 10 s of a call and 10 s without output: printed at most once a minute,
+    or redrawn in place on a terminal; ORCHESTRATOR_STATUS=0 or logging turn it off."""
+    import logging
+
+    from orchestrator import messages, status
+
+    line = status.StatusLine("train", 4, started=100.0)
+    line._in_place = False
+    assert line.tick(105.0, last_output=100.0) == 110.0  # not yet: the call is young
+    assert line.tick(135.0, last_output=130.0) == 140.0  # not yet: output 5 s ago
+    assert capsys.readouterr().err == ""
+    assert line.tick(142.0, last_output=130.0) == 202.0
+    assert capsys.readouterr().err == "[train] 4 ranks running 0:42; last output 0:12 ago\n"
+    assert line.tick(150.0, last_output=130.0) == 202.0  # at most once a minute
+    line.tick(203.0, last_output=130.0)
+    assert capsys.readouterr().err == "[train] 4 ranks running 1:43; last output 1:13 ago\n"
+    drawn = status.StatusLine("train", 2, started=0.0)
+    drawn._in_place = True
+    assert drawn.tick(12.0, last_output=0.0) == 13.0  # redrawn every second
+    drawn.tick(13.0, last_output=0.0)
+    messages.clear_in_place()  # before other output
+    assert capsys.readouterr().err == (
+        "\r\x1b[K[train] 2 ranks running 0:12; last output 0:12 ago"
+        "\r\x1b[K[train] 2 ranks running 0:13; last output 0:13 ago\r\x1b[K"
+    )
+    monkeypatch.setenv("ORCHESTRATOR_STATUS", "0")
+    assert status.StatusLine("train", 4, started=0.0).tick(500.0, last_output=0.0) is None
+    monkeypatch.delenv("ORCHESTRATOR_STATUS")
+    quiet = logging.getLogger("orchestrator.status")
+    quiet.setLevel(logging.WARNING)
+    try:
+        status.StatusLine("train", 4, started=0.0).tick(500.0, last_output=0.0)
+    finally:
+        quiet.setLevel(logging.NOTSET)
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,67 @@
+"""A quiet call's status line on a terminal: `[train] 4 ranks running 0:42; last output 0:12 ago`.
+
+Shown once a call has run 10 s and its ranks have printed nothing for 10 s: redrawn in
+place (once a second) when stderr is a terminal, else printed at most once a minute. It
+goes through `logging.getLogger("orchestrator.status")`, so standard logging silences
+it, and ORCHESTRATOR_STATUS=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from orchestrator import messages
+from orchestrator.notebook import clock
+
+logger = logging.getLogger("orchestrator.status")
+QUIET_S = 10.0
+"""How long a call runs, and its ranks stay silent, before the line is shown."""
+REDRAW_S = 1.0
+"""How often the line is redrawn in place on a terminal."""
+REPEAT_S = 60.0
+"""How often it is printed again where stderr is not a terminal (a log file, CI)."""
+
+
+def enabled() -> bool:
+    """Whether status lines are shown at all (ORCHESTRATOR_STATUS=0 turns them off)."""
+    return os.environ.get("ORCHESTRATOR_STATUS", "1") != "0"
+
+
+class StatusLine:
+    """The status line of one call of job `name` on `num_ranks` ranks, started at `started`."""
+
+    def __init__(self, name: str, num_ranks: int, started: float) -> None:
+        """A line not shown yet; `tick` decides when."""
+        self.name = name
+        self.num_ranks = num_ranks
+        self.started = started
+        self._shown_at: float | None = None
+        self._in_place = _is_terminal()
+
+    def tick(self, now: float, last_output: float) -> float | None:
+        """Show the line if it is due; return when it may next be due (None: never)."""
+        if not enabled():
+            return None
+        quiet_since = max(last_output, self.started)
+        due = max(self.started + QUIET_S, quiet_since + QUIET_S)
+        if now < due:
+            return due
+        every = REDRAW_S if self._in_place else REPEAT_S
+        if self._shown_at is not None and now < self._shown_at + every:
+            return self._shown_at + every
+        self._shown_at = now
+        text = (
+            f"{self.num_ranks} ranks running {clock(now - self.started)}; "
+            f"last output {clock(now - quiet_since)} ago"
+        )
+        logger.info("[%s] %s", self.name, text, extra={messages.IN_PLACE: self._in_place})
+        return now + every
+
+
+def _is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
