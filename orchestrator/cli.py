@@ -11,7 +11,7 @@ import textwrap
 import threading
 from pathlib import Path
 
-from orchestrator import cluster, launch, local, torchrun
+from orchestrator import cluster, launch, local, lookup, torchrun
 from orchestrator.errors import OrchestratorError
 from workers import debugger
 
@@ -348,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     commands_of = {
         "run": lambda: _run(args),
-        "nodes": lambda: launch.nodes(args.address),
-        "stacks": lambda: launch.stacks(args.name, args.address),
+        "nodes": lambda: lookup.nodes(args.address),
+        "stacks": lambda: lookup.stacks(args.name, args.address),
         "local": lambda: _local(args),
         "attach": lambda: attach(args.address),
     }

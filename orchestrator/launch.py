@@ -14,12 +14,10 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import _ray_compat, cluster, local, messages, placement, torchrun
-from orchestrator.call import rank_stacks
+from orchestrator import _ray_compat, cluster, messages, placement, torchrun
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
 from orchestrator.options import clean_name
-from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
 from workers.script import Script, ScriptExit, run_script
 
 DEFAULT_EXCLUDES = (
@@ -426,109 +424,6 @@ def _exit_status(err: DistributedError) -> int:
         return EXIT_FAILED
     status = exc.status if isinstance(exc, ScriptExit) else EXIT_FAILED
     return status if 0 < status < 256 else EXIT_FAILED
-
-
-def connect_existing(address: str | None) -> None:
-    """Join a running cluster (never start one): `address`, RAY_ADDRESS, or `ray start` here."""
-    if ray.is_initialized():
-        return
-    target = cluster_address(address)
-    if not target:
-        raise LaunchError(
-            "no Ray cluster to look at: pass --address HOST:PORT or set RAY_ADDRESS. "
-            "A run without either uses a Ray instance embedded in its own process, which "
-            "other processes cannot reach: to look at local runs from here, start Ray "
-            "with `ray start --head` first"
-        )
-    given_as = "--address" if address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else ""
-    if given_as:
-        cluster.check_reachable(target, given_as)
-    cluster.local_token(target)
-    ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
-
-
-def nodes(address: str | None) -> int:
-    """Print the cluster's live nodes and what each offers ranks; the exit status."""
-    connect_existing(address)
-    rows = [("NODE IP", "NODE ID", "CPUS", "GPUS", "GPU TYPE", "MEMORY", "OTHER")]
-    total_cpus = total_gpus = 0.0
-    found = sorted(cluster.nodes(), key=lambda n: n.ip)
-    for node in found:
-        res = node.resources
-        total_cpus += res.get("CPU", 0)
-        total_gpus += res.get("GPU", 0)
-        types = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
-        other = {
-            k: v
-            for k, v in res.items()
-            if k not in ("CPU", "GPU", "memory", "object_store_memory")
-            and not k.startswith(("node:", "accelerator_type:"))
-        }
-        rows.append(
-            (
-                node.ip,
-                node.node_id[:12],
-                f"{res.get('CPU', 0):g}",
-                f"{res.get('GPU', 0):g}",
-                ",".join(types) or "-",
-                format_size(res.get("memory", 0)),
-                ", ".join(f"{k}={v:g}" for k, v in sorted(other.items())) or "-",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
-    print(f"{len(found)} node(s): {total_cpus:g} CPUs, {total_gpus:g} GPUs in all")
-    return 0
-
-
-def running_jobs() -> dict[tuple[str, str], dict[int, str]]:
-    """Ranks' actor names of every running job, by (job name, pool id), then by rank."""
-    jobs: dict[tuple[str, str], dict[int, str]] = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        parsed = parse_actor_name(entry["name"]) if entry["namespace"] == ACTOR_NAMESPACE else None
-        if parsed is not None:
-            job, pool_id, rank = parsed
-            jobs.setdefault((job, pool_id), {})[rank] = entry["name"]
-    for claim in local.claims():  # ranks running in the local runtime's spares
-        jobs.setdefault((claim.job_name, claim.pool_id), {})[claim.rank] = claim.actor_name
-    return jobs
-
-
-def stacks(name: str, address: str | None, wait_s: float = 10.0) -> int:
-    """Print the live stacks of every rank of job `name` (or NAME-POOLID); the exit status."""
-    connect_existing(address)
-    jobs = running_jobs()
-    chosen = {key: ranks for key, ranks in jobs.items() if name in (key[0], f"{key[0]}-{key[1]}")}
-    if not chosen:
-        running = sorted(
-            {f"{job} ({job}-{pool}, {len(r)} ranks)" for (job, pool), r in jobs.items()}
-        )
-        listing = "; running: " + ", ".join(running) if running else "; no job is running there"
-        raise LaunchError(f"no running job named {name!r} on this cluster{listing}")
-    if len(chosen) > 1:
-        messages.say(
-            f"{len(chosen)} jobs are named {name!r}; showing each (pick one with "
-            f"NAME-POOLID: {', '.join(f'{j}-{p}' for j, p in sorted(chosen))})"
-        )
-    for (job, pool_id), ranks in sorted(chosen.items()):
-        if len(chosen) > 1:
-            print(f"=== {job}-{pool_id} ===")
-        for rank, text in _rank_stacks(ranks, wait_s).items():
-            print(f"--- rank {rank} ---\n{text}\n", flush=True)
-    return 0
-
-
-def _rank_stacks(actor_names: dict[int, str], wait_s: float) -> dict[int, str]:
-    """Each rank's stacks, by rank; a rank that cannot answer says why instead."""
-    texts: dict[int, str] = {}
-    actors = {}
-    for rank, actor_name in sorted(actor_names.items()):
-        try:
-            actors[rank] = ray.get_actor(actor_name, namespace=ACTOR_NAMESPACE)
-        except ValueError:
-            texts[rank] = "(the rank's actor is gone)"
-    return dict(sorted({**texts, **rank_stacks(actors, wait_s)}.items()))
 
 
 def _round_up(size: int) -> str:
