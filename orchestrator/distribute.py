@@ -79,13 +79,14 @@ class DistributedFunction(Generic[P, R]):
         job: Job[R] = Job(self.name, options.num_replicas, runner.stop)
         if show_in_cell:
             job.view = notebook.CellOutput(f"[{self.name}] submitted", table=job.table)
-            job.view.tick_while(lambda: not job.done())
         job.owner = self  # the pool lives while a job of it is not done
         try:
             runner.submit(job, shipped, options, plan)
         except BusyError:
             job.discard()
             raise
+        if job.view is not None:
+            job.view.tick_while(lambda: not job.done())  # the elapsed times move on
         return job
 
     def with_options(self, **changes: Any) -> DistributedFunction[P, R]:
