@@ -8,8 +8,8 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
 import ray
@@ -63,6 +63,16 @@ def ship(payload: Payload) -> Shipment:
     return ray.put(replace(payload, call=pickle.PickleBuffer(payload.call)))
 
 
+@dataclass(frozen=True)
+class Leftover:
+    """What a call leaves the next call on the same pool."""
+
+    drains: dict[int, ray.ObjectRef] = field(default_factory=dict)
+    """Per rank, its output request still in flight: it brings what the rank prints next."""
+    shown: dict[int, int] = field(default_factory=dict)
+    """Per rank, the seq of its last chunk taken in: the next call owes only newer ones."""
+
+
 class Call:
     """One call on every rank of a pool: ranks still running, output still owed, outcomes.
 
@@ -82,12 +92,12 @@ class Call:
         stop: threading.Event | None = None,
         restart_count: int = 0,
         max_restarts: int = 0,
-        drains: dict[int, ray.ObjectRef] | None = None,
+        before: Leftover | None = None,
     ) -> None:
         """Start the shipped function (see `ship`) on every rank of `pool`.
 
-        `console` shows and files this call's output. `drains` are output requests an
-        earlier call on the pool left in flight: they carry what the ranks print next.
+        `console` shows and files this call's output. `before`: what the pool's previous
+        call left (output requests in flight, and how far each rank's output was shown).
         """
         self.pool = pool
         self.console = console
@@ -109,8 +119,11 @@ class Call:
             actor.run.remote(pickle.dumps(spec), shipped): spec.rank
             for actor, spec in zip(pool.actors, specs, strict=True)
         }
-        self.drains: dict[int, ray.ObjectRef] = dict(drains or {})
+        before = before or Leftover()
+        self.drains: dict[int, ray.ObjectRef] = dict(before.drains)
         """Per rank, the output request in flight (handed on to the next call)."""
+        for rank, seq in before.shown.items():  # a rank's chunks are numbered across calls
+            console.printed[rank] = seq
         self.dead: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         """Statuses ranks passed to os._exit, as they reported them just before."""
@@ -159,6 +172,13 @@ class Call:
                     self._take(self._outcome(self.runs.pop(ready), ready))
                 else:
                     self._show(draining[ready], ready)
+
+    def leftover(self, replaced: Collection[int] = ()) -> Leftover:
+        """What this call leaves the pool's next call, but for ranks `replaced` meanwhile."""
+        return Leftover(
+            {rank: ref for rank, ref in self.drains.items() if rank not in replaced},
+            {rank: seq for rank, seq in enumerate(self.console.printed) if rank not in replaced},
+        )
 
     def rank_state(self, rank: int, *, stopped: bool) -> str:
         """finished, failed, running (or what it waits on); `stopped` when the call ended."""

@@ -73,8 +73,8 @@ class Runner:
         self._queue: deque[tuple[Job[Any], call.Shipment, Options, Plan | None]] = deque()
         self._thread: threading.Thread | None = None
         self._calls = itertools.count(1)
-        self._drains: dict[int, ray.ObjectRef] = {}
-        """Output requests the last call left in flight, for the next call on the pool."""
+        self._left = call.Leftover()
+        """What the last call on the pool left the next: output requests, output shown."""
         self.current: Job[Any] | None = None
         """The job running now, if any."""
         self.last: Job[Any] | None = None
@@ -137,7 +137,7 @@ class Runner:
 
     def release(self) -> None:
         """Stop the warm pool's actors and give back its resources."""
-        self._drains = {}
+        self._left = call.Leftover()
         self._box.release()
 
     def shutdown(self) -> None:
@@ -215,7 +215,7 @@ class Runner:
                     failed.settle(_SETTLE_S)  # a peer's death reaches gloo ranks in moments
                 broken = failed.broken_ranks()
                 if len(broken) < len(pool.actors) and pool.replace(broken, attempt):
-                    self._drains = {r: ref for r, ref in failed.drains.items() if r not in broken}
+                    self._left = failed.leftover(replaced=broken)
                     return True
         self.release()
         return False
@@ -255,12 +255,12 @@ class Runner:
                 stop=job.stop_requested,
                 restart_count=restart_count,
                 max_restarts=options.max_restarts,
-                drains=self._drains,
+                before=self._left,
             )
-            self._drains = {}
+            self._left = call.Leftover()
             job.set_phase(RUNNING)
             value = job.call.wait()
-            self._drains = job.call.drains
+            self._left = job.call.leftover()
             pool.use_store(job.call.next_port)
             return value
         finally:

@@ -682,3 +682,18 @@ def test_a_quiet_call_shows_a_status_line_and_a_table(cluster, capfd, monkeypatc
         assert {r.node for r in table.rows} <= {n["NodeManagerAddress"] for n in ray.nodes()}
         assert 2.5 < table.rows[0].elapsed < 30
         assert "<table>" in fn._repr_html_() and "rank 1 naps" in job._repr_html_()
+
+
+def test_a_quiet_warm_call_after_one_that_printed(cluster):
+    """A rank's output is numbered across calls: a call whose ranks print nothing owes none
+    of what the previous call already showed (it waited for it for ever)."""
+
+    def maybe_print(say: bool) -> int:
+        if say:
+            print("hello", flush=True)
+        return 1
+
+    with distribute(maybe_print, num_replicas=2, replicas_per_node=1, name="quiet2") as fn:
+        assert fn(True) == [1, 1]
+        assert fn.submit(False).result(timeout=30) == [1, 1]
+        assert fn.submit(True).result(timeout=30) == [1, 1]
