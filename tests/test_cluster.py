@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -697,3 +698,26 @@ def test_a_quiet_warm_call_after_one_that_printed(cluster):
         assert fn(True) == [1, 1]
         assert fn.submit(False).result(timeout=30) == [1, 1]
         assert fn.submit(True).result(timeout=30) == [1, 1]
+
+
+def test_semaphores_a_killed_rank_held_are_removed(cluster):
+    """Named semaphores (spawn multiprocessing) a rank still holds when its actor is killed:
+    multiprocessing's tracker removes them, as at a normal exit (Ray kills the rank's
+    process group; the tracker used to die with it and the files stayed in /dev/shm)."""
+
+    def hold() -> str:
+        import multiprocessing as mp
+
+        lock = mp.get_context("spawn").Lock()
+        os.__dict__.setdefault("_test_held", []).append(lock)  # still held at the kill
+        return lock._semlock.name
+
+    fn = distribute(hold, num_replicas=2, replicas_per_node=1, name="sems")
+    names = fn()
+    files = [Path("/dev/shm") / f"sem.{name.lstrip('/')}" for name in names]
+    assert all(f.exists() for f in files), files
+    fn.shutdown()
+    deadline = time.monotonic() + 20
+    while any(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(f.exists() for f in files), files

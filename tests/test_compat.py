@@ -94,6 +94,17 @@ def test_torch_group_counter_is_where_the_reset_expects_it():
     assert "reset_group_counter" not in rank_compat.degraded()
 
 
+def test_the_resource_tracker_can_be_started_in_its_own_session():
+    from multiprocessing import util
+
+    before = util.spawnv_passfds
+    try:
+        rank_compat.tracker_in_own_session()
+        assert util.spawnv_passfds.__wrapped__ is before  # type: ignore[attr-defined]
+    finally:
+        util.spawnv_passfds = before
+
+
 def test_no_touch_fell_back_in_this_process():
     """Whatever the other tests and the suite's calls touched, nothing fell back."""
     assert compat.degraded() == {}

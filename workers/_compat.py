@@ -8,6 +8,7 @@ falls back to a named degraded mode, and records why in `degraded()`;
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 _degraded: dict[str, str] = {}
@@ -61,3 +62,34 @@ def reset_group_counter() -> None:
     if not dist.is_initialized():
         with contextlib.suppress(Exception):
             world.group_count = 0
+
+
+def tracker_in_own_session() -> None:
+    """Have multiprocessing's resource tracker, when this rank starts one, leave the rank's
+    process group, so that it outlives the rank's death and removes what the rank left.
+
+    A rank creates named semaphores (spawn or forkserver multiprocessing, a DataLoader with
+    such a context); the tracker unlinks them when the rank dies without doing so. Ray
+    ends a rank's actor by killing its whole process group, the tracker with it, and the
+    `/dev/shm/sem.mp-*` files stayed. Degraded: they stay, as before.
+    """
+    try:
+        from multiprocessing import resource_tracker, util
+
+        original = util.spawnv_passfds
+        source = inspect.getsource(resource_tracker.ResourceTracker.ensure_running)
+        if "spawnv_passfds" not in source or "resource_tracker import main" not in source:
+            raise AttributeError("ResourceTracker.ensure_running no longer spawns as expected")
+    except (ImportError, AttributeError, OSError, TypeError) as exc:
+        _degraded.setdefault("tracker_in_own_session", str(exc))
+        return
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def spawn(path: Any, args: list[str], passfds: Any) -> int:
+        if args and "resource_tracker import main" in args[-1]:
+            args = [*args[:-1], "import os; os.setsid(); " + args[-1]]
+        return original(path, args, passfds)
+
+    spawn.__wrapped__ = original  # type: ignore[attr-defined]
+    util.spawnv_passfds = spawn

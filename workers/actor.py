@@ -35,6 +35,7 @@ class RankActor:
         user's `env` is set first: torch reads some variables only on import.
         """
         environment.preset(env or {})
+        _compat.tracker_in_own_session()  # what the rank leaves in /dev/shm is removed
         self._label = f"{job_name} r{rank}"
         self._rank = rank
         self._local_rank = 0
