@@ -241,7 +241,7 @@ def leftovers(run_id: str, grace_s: float) -> list[str]:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            ours = "RankActor" in argv or "workers.tail" in argv
+            ours = "RankActor" in argv or "orchestrator_workers.tail" in argv
             if mark in environ and ours and state != "Z":
                 found.append(f"{pid} {argv[:60]}")
         if not found or time.monotonic() > deadline:
@@ -265,7 +265,7 @@ def released(ray: Any, grace_s: float) -> tuple[list[str], dict[str, float]]:
 
 def shm_files(since: float) -> list[str]:
     """Shared-buffer files in /dev/shm made since `since` (time.time())."""
-    from workers.sharing import PREFIX, SHM
+    from orchestrator_workers.sharing import PREFIX, SHM
 
     found = []
     for path in SHM.glob(f"{PREFIX}*"):

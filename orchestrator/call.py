@@ -27,10 +27,10 @@ from orchestrator.errors import (
 from orchestrator.logs import Console
 from orchestrator.pool import Pool, StopRequested
 from orchestrator.status import StatusLine
-from workers import sharing
-from workers.capture import EXIT_STREAM, STATE_STREAM
-from workers.protocol import OutputChunk, Payload, RankFailure, RankResult
-from workers.tail import read_tail
+from orchestrator_workers import sharing
+from orchestrator_workers.capture import EXIT_STREAM, STATE_STREAM
+from orchestrator_workers.protocol import OutputChunk, Payload, RankFailure, RankResult
+from orchestrator_workers.tail import read_tail
 
 Shipment: TypeAlias = bytes | ray.ObjectRef
 """A call's payload as the ranks get it: pickled inline, or one object in Ray's store."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orchestrator import cluster, launch, local, lookup, torchrun
 from orchestrator.errors import OrchestratorError
-from workers import debugger
+from orchestrator_workers import debugger
 
 
 def attach(address: str) -> int:

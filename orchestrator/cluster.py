@@ -19,7 +19,7 @@ import ray
 
 from orchestrator import _ray_compat, messages
 from orchestrator.errors import ClusterUnreachableError, ConfigError
-from workers import private
+from orchestrator_workers import private
 
 _lock = threading.Lock()
 _embedded = False

@@ -26,7 +26,7 @@ from pathlib import Path
 import cloudpickle
 
 from orchestrator.logs import read_log
-from workers.protocol import RankFailure
+from orchestrator_workers.protocol import RankFailure
 
 CRASH = "crash"
 """`RankFailure.exc_type` of a rank whose process died."""

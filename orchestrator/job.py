@@ -18,11 +18,11 @@ from orchestrator.call import stacks
 from orchestrator.errors import describe, summary
 from orchestrator.logs import read_log
 from orchestrator.notebook import CellOutput, RankRow, Table
-from workers import debugger
+from orchestrator_workers import debugger
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
-    from workers.protocol import RankFailure
+    from orchestrator_workers.protocol import RankFailure
 
 R = TypeVar("R")
 

@@ -18,7 +18,7 @@ from orchestrator import _ray_compat, cluster, messages, placement, torchrun
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
 from orchestrator.options import clean_name
-from workers.script import Script, ScriptExit, run_script
+from orchestrator_workers.script import Script, ScriptExit, run_script
 
 DEFAULT_EXCLUDES = (
     ".git",

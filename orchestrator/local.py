@@ -23,8 +23,8 @@ import ray
 
 from orchestrator import _ray_compat, cluster, messages
 from orchestrator.errors import ConfigError, OrchestratorError
-from workers import private
-from workers.spares import (
+from orchestrator_workers import private
+from orchestrator_workers.spares import (
     BROKER_NAME,
     NAMESPACE,
     Claim,

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TextIO
 
 from orchestrator import messages
-from workers.capture import RAY_MARKERS
-from workers.protocol import OutputChunk
+from orchestrator_workers.capture import RAY_MARKERS
+from orchestrator_workers.protocol import OutputChunk
 
 PARTIAL_DELAY_S = 0.2
 """A line without its newline yet is shown after this long (a prompt, a progress bar)."""

@@ -18,10 +18,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator import cluster, local, messages, placement
 from orchestrator.errors import PlacementTimeoutError
 from orchestrator.placement import Request
-from workers import environment
-from workers.actor import CONCURRENCY_GROUPS, RankActor
-from workers.environment import order_devices
-from workers.protocol import NodeInfo, RankSpec
+from orchestrator_workers import environment
+from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
+from orchestrator_workers.environment import order_devices
+from orchestrator_workers.protocol import NodeInfo, RankSpec
 
 _RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)
 _WAIT_NOTICE_S = 1.0

@@ -32,7 +32,7 @@ from orchestrator.job import PENDING, RUNNING, Job
 from orchestrator.logs import Console
 from orchestrator.options import Options
 from orchestrator.pool import Pool, StopRequested
-from workers import environment
+from orchestrator_workers import environment
 
 Plan = tuple[placement.Request, bool]
 """What a pool is to hold, and whether it simulates its nodes on one machine."""

@@ -17,19 +17,19 @@ import cloudpickle
 
 from orchestrator import _ray_compat
 from orchestrator.errors import ConfigError
-from workers import sharing
-from workers.protocol import Payload
+from orchestrator_workers import sharing
+from orchestrator_workers.protocol import Payload
 
 # Code under these folders is installed, so workers import it by reference.
 _INSTALLED = tuple(
     {str(Path(p).resolve()) for k, p in sysconfig.get_paths().items() if k != "scripts"}
     | {str(Path(sys.base_prefix).resolve()), str(Path(sys.prefix).resolve())}
 )
-_OURS = ("orchestrator", "workers")
+_OURS = ("orchestrator", "orchestrator_workers")
 _registered: set[str] = set()
 _seen_modules = 0
 OUT_OF_BAND_BYTES = 1 << 20
-"""Tensors and arrays this big travel out of band, one copy per node (workers.sharing)."""
+"""Tensors and arrays this big travel out of band, one copy per node (workers/sharing.py)."""
 
 
 def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:

@@ -27,8 +27,8 @@ import pytest
 from orchestrator import distribute
 from orchestrator.cli import main
 from orchestrator.launch import DEFAULT_EXCLUDES, LaunchError, check_upload, measure
+from orchestrator_workers.script import Script, ScriptExit, run_script
 from tests.test_examples import TORCHRUN, message_lines, run_example
-from workers.script import Script, ScriptExit, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 180

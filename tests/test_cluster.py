@@ -542,7 +542,7 @@ def test_big_tensors_shared_per_node_until_written_and_snapshotted_at_submit(clu
     import torch
     import torch.distributed as dist
 
-    from workers import sharing
+    from orchestrator_workers import sharing
 
     table = torch.arange(1 << 20, dtype=torch.float64)  # 8 MB in the closure
 
@@ -573,7 +573,7 @@ def test_big_tensors_shared_per_node_until_written_and_snapshotted_at_submit(clu
 def test_a_failed_call_removes_what_its_ranks_left_in_shm(cluster, tmp_path):
     import torch
 
-    from workers import sharing
+    from orchestrator_workers import sharing
 
     table = torch.ones(1 << 20)  # 4 MB: shared through /dev/shm by the two ranks
     go = tmp_path / "go"

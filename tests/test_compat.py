@@ -13,7 +13,7 @@ from pathlib import Path
 import ray
 
 from orchestrator import _ray_compat as compat
-from workers import _compat as rank_compat
+from orchestrator_workers import _compat as rank_compat
 
 
 def test_the_installed_ray_is_within_the_tested_range():

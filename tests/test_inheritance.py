@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator import distribute, pool
+from orchestrator_workers.protocol import NodeInfo
 from tests.inherit_probe import TAG, facts
-from workers.protocol import NodeInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "tests" / "inherit_probe.py"

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator_workers import private
 from tests.test_trust import readable_by_other_user
-from workers import private
 
 ROOT = Path(__file__).resolve().parent.parent
 

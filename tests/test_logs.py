@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.logs import PARTIAL_DELAY_S, PROGRESS_INTERVAL_S, Console
-from workers.protocol import OutputChunk
+from orchestrator_workers.protocol import OutputChunk
 
 
 class _Seq:

@@ -21,8 +21,8 @@ import pytest
 
 from orchestrator import cluster, local
 from orchestrator.logs import Console
-from workers import private
-from workers.protocol import OutputChunk
+from orchestrator_workers import private
+from orchestrator_workers.protocol import OutputChunk
 
 OTHER = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")

@@ -19,8 +19,8 @@ from orchestrator import (
     placement,
     shipping,
 )
-from workers import environment, sharing
-from workers.protocol import RankFailure, RankSpec
+from orchestrator_workers import environment, sharing
+from orchestrator_workers.protocol import RankFailure, RankSpec
 
 
 def test_public_api_is_small_and_stable():
@@ -348,7 +348,7 @@ def test_shared_copy_falls_back_to_private_copies_and_removes_stale_files(monkey
 def test_files_ranks_leave_go_in_a_folder_of_this_user_alone(tmp_path, monkeypatch):
     import stat
 
-    from workers import private, tail
+    from orchestrator_workers import private, tail
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     folder = private.folder()

@@ -16,9 +16,16 @@ from typing import Any
 import cloudpickle
 import ray
 
-from workers import _compat, debugger, elastic, environment, script, sharing, stacks
-from workers.capture import Capture
-from workers.protocol import NodeInfo, OutputChunk, Payload, RankFailure, RankResult, RankSpec
+from orchestrator_workers import _compat, debugger, elastic, environment, script, sharing, stacks
+from orchestrator_workers.capture import Capture
+from orchestrator_workers.protocol import (
+    NodeInfo,
+    OutputChunk,
+    Payload,
+    RankFailure,
+    RankResult,
+    RankSpec,
+)
 
 CONCURRENCY_GROUPS = {"control": 4}
 """Calls that must be answered while `run` is busy (output, stacks) use this group."""

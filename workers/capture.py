@@ -12,9 +12,9 @@ import sys
 import threading
 import time
 
-from workers.private import UnsafeFolderError
-from workers.protocol import OutputChunk
-from workers.tail import STREAMS, frame, tail_path
+from orchestrator_workers.private import UnsafeFolderError
+from orchestrator_workers.protocol import OutputChunk
+from orchestrator_workers.tail import STREAMS, frame, tail_path
 
 _READ = 1 << 16
 _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
@@ -83,7 +83,7 @@ class Capture:
         """Where the keeper leaves this rank's last output if it dies; '' without a keeper."""
         try:
             path = str(tail_path(os.getpid()))  # refused where the folder is not ours
-            argv = [sys.executable, "-m", "workers.tail", path]
+            argv = [sys.executable, "-m", "orchestrator_workers.tail", path]
             argv += [str(out_fd), str(err_fd), str(tee), str(lifeline)]
             self._keeper = subprocess.Popen(
                 argv,

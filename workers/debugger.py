@@ -17,7 +17,7 @@ import socket
 import sys
 from types import FrameType, TracebackType
 
-from workers import capture
+from orchestrator_workers import capture
 
 TOKEN_VAR = "ORCHESTRATOR_DEBUG_TOKEN"  # noqa: S105 - a variable's name, not a secret
 """Where `orchestrator attach` reads the secret (not its argv: `ps` shows that to all)."""

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers import private
+from orchestrator_workers import private
 
 VAR = "TORCHELASTIC_ERROR_FILE"
 

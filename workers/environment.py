@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from workers import elastic, sharing
-from workers.protocol import RankSpec
+from orchestrator_workers import elastic, sharing
+from orchestrator_workers.protocol import RankSpec
 
 _SIOCGIFADDR = 0x8915
 READ_ON_IMPORT = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "CUDA", "NCCL", "LD_")
@@ -150,7 +150,7 @@ def apply(spec: RankSpec) -> None:
     if "PYTHONBREAKPOINT" in spec.env:
         sys.breakpointhook = sys.__breakpointhook__
     else:
-        from workers import debugger
+        from orchestrator_workers import debugger
 
         sys.breakpointhook = debugger.set_trace
     import torch  # late: CUDA must see CUDA_VISIBLE_DEVICES before it initializes

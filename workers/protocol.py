@@ -52,7 +52,7 @@ class RankSpec:
     workdir: str | None = None
     """Where the rank runs, when it runs on the driver's machine (the local runtime)."""
     share_key: str = ""
-    """Names this call's node-wide copy of the payload's large buffers (workers.sharing)."""
+    """Names this call's node-wide copy of the payload's large buffers (see sharing.py)."""
     ranks_on_node: int = 1
     """How many ranks of the job run on this rank's Ray node (they share its cores and
     read one copy of the payload's large buffers)."""

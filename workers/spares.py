@@ -25,8 +25,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from workers import _compat
-from workers.actor import CONCURRENCY_GROUPS, RankActor
+from orchestrator_workers import _compat
+from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
 
 BROKER_NAME = "local-runtime"
 NAMESPACE = "orchestrator"

@@ -1,7 +1,7 @@
 """Keeps a copy of a rank's latest output and, once the rank dies, saves it for the driver.
 
-`Capture` starts `python -m workers.tail PATH OUT_FD ERR_FD TEE_FD LIFELINE_FD`. While the
-rank lives, its capture thread copies every numbered chunk to TEE_FD and this process
+`Capture` starts `python -m orchestrator_workers.tail PATH OUT_FD ERR_FD TEE_FD LIFELINE_FD`.
+While the rank lives, its capture thread copies every numbered chunk to TEE_FD and this process
 keeps the newest ones; the rank holds the lifeline's other end. When the rank dies, this
 process also takes what is still unread in the stdout/stderr pipes (OUT_FD, ERR_FD),
 writes it all to PATH as JSON, keeps the file a while for the driver, and removes it.
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from workers import private
+from orchestrator_workers import private
 
 KEEP_S = 10.0
 """How long a dead rank's last output stays on disk for the driver to fetch."""
@@ -92,7 +92,7 @@ def main(path: str, out_fd: int, err_fd: int, tee_fd: int, lifeline: int) -> Non
     _sweep(target.parent)
     time.sleep(KEEP_S)
     target.unlink(missing_ok=True)
-    # The dead rank's torchelastic error file (see workers.elastic), read by now.
+    # The dead rank's torchelastic error file (see orchestrator_workers.elastic), read by now.
     pid = target.stem.removeprefix("tail-")
     (target.parent / f"torchelastic-error-{pid}.json").unlink(missing_ok=True)
 
