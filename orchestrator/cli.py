@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orchestrator import cluster, launch, local, lookup, torchrun
 from orchestrator.errors import OrchestratorError
-from orchestrator_workers import debugger
+from orchestrator_workers import debugger, private
 
 
 def attach(address: str) -> int:
@@ -358,6 +358,6 @@ def main(argv: list[str] | None = None) -> int:
     except OrchestratorError as exc:
         print(f"orchestrator {args.command}: {exc}", file=sys.stderr)
         return launch.EXIT_USAGE if isinstance(exc, ValueError | launch.LaunchError) else 1
-    except ConnectionError as exc:  # ray.init could not reach the cluster
+    except (ConnectionError, private.UnsafeFolderError) as exc:  # Ray unreachable; a folder
         print(f"orchestrator {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
 import secrets
 import socket
+import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import ray
 
-from orchestrator import _ray_compat, messages
+from orchestrator import _ray_compat, discovery, messages
 from orchestrator.errors import ClusterUnreachableError, ConfigError
 from orchestrator_workers import private
 
@@ -46,7 +47,7 @@ def connect(address: str | None, *, min_cpus: float = 0, standalone: bool = Fals
         if ray.is_initialized():
             return _embedded
         given = None if standalone else address or os.environ.get("RAY_ADDRESS")
-        live, stale = (None, None) if given or standalone else local_cluster()
+        live, stale = (None, None) if given or standalone else discovery.local_cluster()
         target = given or live
         if target:
             if given:
@@ -120,18 +121,70 @@ def check_reachable(address: str, given_as: str) -> None:
                 return  # a TLS server waits for a TLS hello: the open port is all we ask
             sock.sendall(_H2_PREFACE)
             reply = sock.recv(9)
+            answers = len(reply) == 9 and reply[3] == 4  # SETTINGS
+            answers = answers and _answers_rpc(sock, host_port, int.from_bytes(reply[:3], "big"))
     except TimeoutError:
         tried = f"{host}:{port} did not answer within {REACH_TIMEOUT_S:g} s"
         raise ClusterUnreachableError(f"{where}: {tried}; {fix}") from None
     except OSError as exc:
         tried = f"connecting to {host}:{port} failed ({exc.strerror or exc})"
         raise ClusterUnreachableError(f"{where}: {tried}; {fix}") from None
-    if len(reply) < 4 or reply[3] != 4:  # 4: a SETTINGS frame
+    if not answers:
         kind = "Ray Client server (ray://)" if scheme else "GCS (`ray start --head --port`)"
         raise ClusterUnreachableError(
             f"{where}: {host}:{port} accepts connections but does not answer as a Ray {kind} "
             f"would; give the address of the cluster's head, or {local}"
         )
+
+
+def _answers_rpc(sock: socket.socket, authority: str, skip: int) -> bool:
+    """Whether the HTTP/2 server on `sock` answers a gRPC call within REACH_TIMEOUT_S.
+
+    Any answer counts, an error status included (the method is Ray's GCS's; a Ray Client
+    server says it has none, a GCS with token auth may refuse us): silence does not. A
+    server that only greets would otherwise hold Ray's connect for minutes, deaf to
+    signals. One call by hand (Ray ships no gRPC for Python): HEADERS, then an empty
+    message, on stream 1. `skip`: bytes of the server's first frame still unread.
+    """
+
+    def literal(name: bytes, value: bytes) -> bytes:  # HPACK, not indexed, new name
+        return bytes([0, len(name)]) + name + bytes([len(value)]) + value
+
+    path = b"/ray.rpc.NodeInfoGcsService/GetClusterId"
+    block = (
+        b"\x83\x86"  # :method POST, :scheme http (HPACK's static table)
+        + b"\x04" + bytes([len(path)]) + path
+        + b"\x01" + bytes([len(authority)]) + authority.encode()
+        + literal(b"content-type", b"application/grpc")
+        + literal(b"te", b"trailers")
+    )
+    stream = (1).to_bytes(4, "big")
+    sock.sendall(
+        bytes([0, 0, 0, 4, 1]) + b"\0\0\0\0"  # SETTINGS ACK
+        + len(block).to_bytes(3, "big") + bytes([1, 4]) + stream + block  # HEADERS
+        + (5).to_bytes(3, "big") + bytes([0, 1]) + stream + b"\0\0\0\0\0"  # DATA, END_STREAM
+    )
+    deadline = time.monotonic() + REACH_TIMEOUT_S
+    buffer = b""
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(4096)
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        buffer += chunk
+        dropped = min(skip, len(buffer))
+        buffer, skip = buffer[dropped:], skip - dropped
+        while len(buffer) >= 9:
+            size, kind, number = int.from_bytes(buffer[:3], "big"), buffer[3], buffer[5:9]
+            if kind in (1, 3) and int.from_bytes(number, "big") & 0x7FFFFFFF == 1:
+                return True  # HEADERS (an answer) or RST_STREAM (a refusal) for our call
+            if kind == 7:  # GOAWAY: it speaks HTTP/2 and hung up on us, as a server does
+                return True
+            buffer = buffer[9 + size :]
+    return False
 
 
 _rank_pids: set[int] = set()
@@ -219,6 +272,7 @@ def _start_local(min_cpus: float) -> None:
         with _ray_compat.lean_head():
             ray.init(
                 address="local",
+                _temp_dir=head_temp_dir(lasting=False),
                 num_cpus=cpus,
                 include_dashboard=False,
                 logging_level=ray_level,
@@ -283,70 +337,51 @@ def is_embedded() -> bool:
     return _embedded
 
 
-def ray_root() -> Path:
-    """The folder where Ray keeps this machine's sessions (RAY_TMPDIR/ray)."""
-    return Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"  # noqa: S108 - Ray's default
-
-
-def runtime_record_path(address: str) -> Path:
-    """Where `orchestrator local start` records its runtime at `address`: this user's folder."""
-    return private.folder(lasting=True) / f"local-runtime-{address.rpartition(':')[2]}.json"
-
-
-def runtime_record(address: str) -> dict[str, Any] | None:
-    """What `orchestrator local start` recorded about its runtime at `address`, or None.
-
-    Only a record this user wrote counts: address, pid and auth mode of the runtime.
-    """
-    try:
-        record = json.loads(private.read_trusted(runtime_record_path(address)))
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and record.get("address") == address else None
-
-
 def local_token(address: str) -> None:
     """Send the token if `address` is the local runtime and it runs with token auth.
 
     Ray's drivers send it only in token mode (RAY_AUTH_MODE=token); without it they
     retry for 20 s, then fail with InvalidAuthToken. Other clusters are left to Ray.
     """
-    record = runtime_record(address)
-    if record is not None and record.get("auth") == "token" and "RAY_AUTH_MODE" not in os.environ:
+    record = discovery.runtime_record(address)
+    if record is not None and record.auth == "token" and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
         _ray_compat.reload_auth_mode()  # Ray read its config at import
 
 
-def local_cluster() -> tuple[str | None, Path | None]:
-    """(address of a live `ray start` cluster on this machine, path of a stale record).
+SOCKET_PATH_ROOM = 107 - len("/session_2026-12-01_15-45-14_123456_4194304/sockets/plasma_store")
+"""How long Ray's temp folder may be: its sockets' paths must fit in 107 bytes."""
 
-    Ray names it in a file of its shared temp folder, which any user may write in: a
-    file another user made (they would receive the script's code and data) is ignored,
-    and the user is told why.
+
+def head_temp_dir(*, lasting: bool, name: str = "ray") -> str | None:
+    """Ray's temp folder for a head this product starts; None: Ray's own ($RAY_TMPDIR/ray).
+
+    Ray makes its folders open to every user (0777, not sticky): in its default, /tmp/ray,
+    another user could swap its address file for a link, or read and plant session files.
+    A RAY_TMPDIR that no other user can enter is kept; otherwise the head's files go in
+    this user's private folder, as `name` (`lasting`: one that outlives the login session).
     """
-    path = ray_root() / "ray_current_cluster"
+    chosen = os.environ.get("RAY_TMPDIR")
+    if chosen:
+        why = private.unsafe(Path(chosen), closed=True)
+        if why is None:
+            return None
+        messages.say(
+            f"not putting Ray's files in RAY_TMPDIR={chosen}, as {why} and Ray makes its "
+            "folders writable by all; using a private folder (make RAY_TMPDIR 0700 to keep it)"
+        )
     try:
-        address = private.read_trusted(path).strip()
-    except private.UntrustedFileError as exc:
-        if str(exc) not in _ignored:
-            _ignored.add(str(exc))
-            messages.warn(
-                f"not using the Ray cluster named in {path}: {exc}. Give its address "
-                "(address= or RAY_ADDRESS) if you trust it"
-            )
-        return None, None
-    except OSError:
-        return None, None
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return address, None
-    except (OSError, ValueError):
-        return None, path
-
-
-_ignored: set[str] = set()
-"""Untrusted address files already reported by this process."""
+        folder = private.folder(lasting=lasting)
+        if len(str(folder / name)) > SOCKET_PATH_ROOM:
+            folder = private.folder(lasting=True)  # a long XDG_RUNTIME_DIR: the short temp dir
+    except private.UnsafeFolderError as exc:
+        made = tempfile.mkdtemp(prefix="orchestrator-ray-")  # 0700, a name nobody can guess
+        messages.say(f"{exc}. Ray's files go in {made} instead")
+        return made
+    path = folder / name
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    return str(path)
 
 
 def _verbose() -> bool:

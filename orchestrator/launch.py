@@ -14,7 +14,7 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import _ray_compat, cluster, messages, placement, torchrun
+from orchestrator import _ray_compat, cluster, discovery, messages, placement, torchrun
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
 from orchestrator.options import clean_name
@@ -296,12 +296,12 @@ def _layout(options: RunOptions, *, one_machine: bool) -> torchrun.Layout:
 
 def cluster_address(address: str | None) -> str | None:
     """The cluster to join: `address`, RAY_ADDRESS, a live `ray start` here; None for none."""
-    return address or os.environ.get("RAY_ADDRESS") or cluster.local_cluster()[0]
+    return address or os.environ.get("RAY_ADDRESS") or discovery.local_cluster()[0]
 
 
 def _only_this_machine(target: str) -> bool:
     """Whether the cluster at `target` is one node on this machine (started here)."""
-    if target != cluster.local_cluster()[0]:
+    if target != discovery.local_cluster()[0]:
         return False
     return cluster.count_nodes(target) == 1  # before joining: the join ships the folder
 
@@ -379,7 +379,7 @@ def _say_standalone() -> None:
     ignored = []
     if os.environ.get("RAY_ADDRESS"):
         ignored.append(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}")
-    live, _ = cluster.local_cluster()
+    live, _ = discovery.local_cluster()
     if live:
         ignored.append(f"the Ray cluster running here at {live}")
     if ignored:

@@ -8,6 +8,7 @@ spares, processes that imported torch before the script began.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,12 +17,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from orchestrator import _ray_compat, cluster, messages
+from orchestrator import _ray_compat, cluster, discovery, messages
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator_workers import private
 from orchestrator_workers.spares import (
@@ -107,7 +109,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         raise ConfigError(f"--idle-timeout={idle_timeout:g}: give seconds > 0, or 0 for never")
     if cpus is not None and cpus < 1:
         raise ConfigError(f"--cpus={cpus}: give 1 or more logical CPUs (slots for ranks)")
-    live, _ = cluster.local_cluster()
+    live, _ = discovery.local_cluster()
     if live:
         if _runtime(live) is not None:
             raise LocalRuntimeError(f"the local runtime already runs at {live}")
@@ -120,12 +122,14 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
     if auth == "token":
         cluster.ensure_token(LocalRuntimeError)
     log = _log_path(port)
+    temp_dir = _runtime_temp_dir(port)
     command = [
         *_ray_command(),
         "start",
         "--head",
         "--block",
         f"--port={port}",
+        f"--temp-dir={temp_dir}",
         f"--num-cpus={cpus or cluster.LOCAL_SLOTS}",
         "--include-dashboard=false",
         "--disable-usage-stats",
@@ -145,15 +149,19 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
             },
             start_new_session=True,  # a Ctrl-C in this terminal later must not stop it
         )
+    address_file = Path(temp_dir) / discovery.ADDRESS_FILE
     record: Path | None = None
     try:
-        address = _wait_for_head(process, log)
-        record = cluster.runtime_record_path(address)
-        private.write(record, json.dumps({"address": address, "pid": process.pid, "auth": auth}))
+        address = _wait_for_head(process, log, address_file)
+        record = discovery.record_path(port)
+        fields = {"address": address, "pid": process.pid, "auth": auth, "temp_dir": temp_dir}
+        private.write(record, json.dumps(fields))
         cluster.connect(address)
+        # Stopping itself when idle, it removes the files naming it, as `stop` does.
+        names = [str(record), str(address_file)]
         broker = RemoteBroker.options(
             name=BROKER_NAME, namespace=NAMESPACE, lifetime="detached"
-        ).remote(spares, idle_timeout, process.pid, str(record))
+        ).remote(spares, idle_timeout, process.pid, names)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
             info: RuntimeInfo = ray.get(broker.info.remote(), timeout=30)
@@ -165,59 +173,44 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
             record.unlink(missing_ok=True)
         process.terminate()
         process.wait(30)
+        address_file.unlink(missing_ok=True)
         raise
 
 
 def stop() -> int:
     """Stop the runtime's Ray processes; the pid that was stopped."""
-    live, _ = cluster.local_cluster()
+    live, _ = discovery.local_cluster()
+    record = discovery.runtime_record(live) if live else None
     info = _runtime(live) if live else None
-    record = cluster.runtime_record(live) if live else None
     pid = info.runtime_pid if info else None
     if pid is None and record:
-        pid = int(record["pid"])  # its broker is gone, its Ray is not
+        pid = record.pid  # its broker is gone, its Ray is not
     if pid is None or live is None:
         where = f"the Ray cluster at {live} was not started by it" if live else "no Ray runs here"
         raise LocalRuntimeError(f"no local runtime is running ({where})")
-    why_not = _not_ours(pid, live)
+    why_not = discovery.runtime_not_ours(pid, live)
     if why_not:
         raise LocalRuntimeError(
             f"not stopping pid {pid}: {why_not}. It is not this user's `ray start` for {live}; "
             "stop that runtime as the user who started it"
         )
     ray.shutdown()
-    cluster.runtime_record_path(live).unlink(missing_ok=True)
-    if _alive(pid):
+    if discovery.alive(pid):
         os.kill(pid, signal.SIGTERM)  # `ray start --block` stops what it started
     deadline = time.monotonic() + 60
-    while _alive(pid) and time.monotonic() < deadline:
+    while discovery.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(pid):
+    if discovery.alive(pid):
         raise LocalRuntimeError(f"the local runtime (pid {pid}) did not stop in 60 s")
+    # Ray leaves its address file behind: named by nobody, the port could be squatted.
+    if record is not None:
+        discovery.forget(record)
     return pid
-
-
-def _not_ours(pid: int, address: str) -> str | None:
-    """Why process `pid` is not this user's `ray start --head --block` for `address`, or None."""
-    proc = Path(f"/proc/{pid}")
-    if not Path("/proc/self").exists():  # not Linux: nothing to check it with
-        return None
-    try:
-        owner = proc.stat().st_uid
-        argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return "no such process"
-    if owner != os.getuid():
-        return f"it belongs to uid {owner}, not to this user (uid {os.getuid()})"
-    wanted = ("start", "--head", "--block", f"--port={address.rpartition(':')[2]}")
-    if not all(part in argv for part in wanted):
-        return f"its command line is not `ray {' '.join(wanted)}`: {' '.join(argv).strip()}"
-    return None
 
 
 def status() -> tuple[str, RuntimeInfo] | None:
     """(address, state) of the runtime running here, or None."""
-    live, _ = cluster.local_cluster()
+    live, _ = discovery.local_cluster()
     info = _runtime(live) if live else None
     return (live, info) if live and info else None
 
@@ -240,15 +233,16 @@ def _runtime(address: str) -> RuntimeInfo | None:
     return None if runtime is None else ray.get(runtime.info.remote(), timeout=30)
 
 
-def _wait_for_head(process: subprocess.Popen, log: Path) -> str:
+def _wait_for_head(process: subprocess.Popen, log: Path, address_file: Path) -> str:
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             tail = log.read_text()[-2000:]
             raise LocalRuntimeError(f"`ray start` exited with {process.returncode}:\n{tail}")
-        live, _ = cluster.local_cluster()
-        if live and "--block" in log.read_text():  # Ray prints its --block notice when up
-            return live
+        with contextlib.suppress(OSError):
+            address = private.read_trusted(address_file).strip()
+            if address and "--block" in log.read_text():  # its --block notice: it is up
+                return address
         time.sleep(0.2)
     raise LocalRuntimeError(f"Ray did not start within {_START_TIMEOUT_S:g} s; see {log}")
 
@@ -264,19 +258,22 @@ def _ray_command() -> list[str]:
 
 
 def _log_path(port: int) -> Path:
-    """`ray start`'s output, in this user's folder (Ray's own is open to every user)."""
-    return private.folder(lasting=True) / f"local-runtime-{port}.log"
+    """`ray start`'s output, in this user's state folder (Ray's own is open to every user)."""
+    return _private(private.state_folder) / f"local-runtime-{port}.log"
 
 
-def _alive(pid: int) -> bool:
-    """Running: neither gone nor a zombie (an orphan whose reaper has not run yet)."""
-    if not Path("/proc/self/stat").exists():  # not Linux: no zombie check
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+def _runtime_temp_dir(port: int) -> str:
+    """Ray's temp folder for the runtime: this user's own, never Ray's shared /tmp/ray.
+
+    One per port: Ray's address file in it names this runtime alone.
+    """
+    made = _private(lambda: cluster.head_temp_dir(lasting=True, name=f"ray-{port}"))
+    return made or str(discovery.ray_root())
+
+
+def _private(make: Callable[[], Any]) -> Any:
+    """`make()`, a private folder; its UnsafeFolderError as a LocalRuntimeError that says why."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+        return make()
+    except private.UnsafeFolderError as exc:
+        raise LocalRuntimeError(f"cannot keep the local runtime's files private: {exc}") from None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
+import stat
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from orchestrator import messages
+from orchestrator_workers import private
 from orchestrator_workers.capture import RAY_MARKERS
 from orchestrator_workers.protocol import OutputChunk
 
@@ -140,9 +143,8 @@ class Console:
         if rank not in self._files:
             assert self.log_dir is not None
             private_dirs(self.log_dir)
-            path = self.log_dir / f"rank-{rank}.log"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-            self._files[rank] = open(os.open(path, flags, 0o600), "a", encoding="utf-8")  # noqa: SIM115 - closed by close_logs
+            fd = _open_log(self.log_dir / f"rank-{rank}.log")
+            self._files[rank] = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed by close_logs
         return self._files[rank]
 
     def _emit(self, rank: int, stream: str, lines: list[str]) -> None:
@@ -181,6 +183,45 @@ def _is_tty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def call_folder(base: Path, name: str) -> Path:
+    """A new folder for one call's rank logs in `base`/`name`: 0700, named unguessably.
+
+    Another user must not be able to pre-create it, link it elsewhere or plant files in
+    it: `base` may be a shared place (/tmp/logs), so its folders are checked first.
+    """
+    why = private.unsafe(base / name)
+    if why is not None:
+        raise private.UnsafeFolderError(unsafe_log_dir(base, why))
+    parent = Path(os.path.realpath(base / name))
+    private_dirs(parent)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=parent))
+
+
+def unsafe_log_dir(base: Path, why: str) -> str:
+    """What to say of a log folder another user could reach into."""
+    return (
+        f"log_dir={str(base)!r}: {why}, so another user could read or replace the ranks' "
+        "logs; give a folder of your own (the default is ~/.cache/orchestrator/logs), "
+        "or log_dir=False"
+    )
+
+
+def _open_log(path: Path) -> int:
+    """A rank's log file in a call's own folder: made new (0600), or one this user made."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _LOG_FLAGS, 0o600)
+    except FileExistsError:  # a restarted attempt appends to the file its first one made
+        fd = os.open(path, os.O_WRONLY | _LOG_FLAGS)
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid() or found.st_nlink != 1:
+            os.close(fd)
+            raise private.UnsafeFolderError(f"{path} was not made by this job") from None
+        return fd
+
+
+_LOG_FLAGS = os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def private_dirs(folder: Path) -> None:

@@ -17,7 +17,8 @@ from typing import Any
 
 from orchestrator import placement
 from orchestrator.errors import ConfigError
-from orchestrator.logs import DEFAULT_PREFIX
+from orchestrator.logs import DEFAULT_PREFIX, unsafe_log_dir
+from orchestrator_workers import private
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
@@ -202,6 +203,10 @@ class Options:
                 f"log_dir={self.log_dir!r}: must be True (the default folder), a folder's path, "
                 "or False for no log files"
             )
+        elif self.log_folder is not None:
+            why = private.unsafe(self.log_folder / self.job_name)
+            if why is not None:
+                problems.append(unsafe_log_dir(self.log_folder, why))
         return problems
 
 

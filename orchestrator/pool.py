@@ -238,8 +238,12 @@ class Pool:
         )
 
     def use_store(self, port: int | None) -> None:
-        """Rank 0 serves the next call's rendezvous store on `port` (None: the same one)."""
+        """After a call: rank 0 closes its store, and reserved `port` for the next call's.
+
+        Not waited for: rank 0 closes it while the driver returns the results.
+        """
         if port is not None:
+            self.actors[0].close_store.remote(self.store_port)
             self.store_port = port
 
     def pids(self) -> list[int]:

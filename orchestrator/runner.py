@@ -9,10 +9,7 @@ replaced. When the runner is no longer referenced, a finalizer releases its pool
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
 import threading
-import time
 import weakref
 from collections import deque
 from typing import Any
@@ -20,7 +17,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from orchestrator import call, cluster, messages, placement
+from orchestrator import call, cluster, logs, messages, placement
 from orchestrator.errors import (
     CRASH,
     BusyError,
@@ -72,7 +69,6 @@ class Runner:
         self._wakeup = threading.Condition(self._lock)
         self._queue: deque[tuple[Job[Any], call.Shipment, Options, Plan | None]] = deque()
         self._thread: threading.Thread | None = None
-        self._calls = itertools.count(1)
         self._left = call.Leftover()
         """What the last call on the pool left the next: output requests, output shown."""
         self.current: Job[Any] | None = None
@@ -234,8 +230,7 @@ class Runner:
         assert pool is not None
         folder = options.log_folder
         if folder is not None and job.log_dir is None:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            job.log_dir = folder / self.name / f"{stamp}-{os.getpid()}-{next(self._calls)}"
+            job.log_dir = logs.call_folder(folder, self.name)
         console = Console(
             self.name,
             options.num_replicas,

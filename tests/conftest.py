@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -50,3 +53,25 @@ def wait_resources_back(timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"resources not released: total {total}, available {free}")
         time.sleep(0.1)
+
+
+def default_sigint(argv: list[str]) -> list[str]:
+    """`argv`, run with SIGINT's default disposition, as from a terminal.
+
+    Under nohup, or `cmd &` in a script, the suite starts with SIGINT ignored, and every
+    child would inherit that: a test that interrupts one, or compares what a process
+    inherits, runs it as a user's terminal would. (A disposition set to the default
+    survives exec; preexec_fn would be unsafe beside Ray's threads.)
+    """
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
+
+
+@contextlib.contextmanager
+def sigint_raises() -> Iterator[None]:
+    """In this process: SIGINT raises KeyboardInterrupt while inside, even if it was ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -28,6 +28,7 @@ from orchestrator import distribute
 from orchestrator.cli import main
 from orchestrator.launch import DEFAULT_EXCLUDES, LaunchError, check_upload, measure
 from orchestrator_workers.script import Script, ScriptExit, run_script
+from tests.conftest import default_sigint
 from tests.test_examples import TORCHRUN, message_lines, run_example
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -413,8 +414,8 @@ def test_stacks_of_a_job_run_elsewhere_then_ctrl_c_stops_it(cluster, tmp_path, c
         },
     )
     command = f"run --nproc 2 --per-node 1 --address {cluster.address} --name stuck stuck.py"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", *shlex.split(command)],
+    job = subprocess.Popen(  # Ctrl-C must reach it, however this suite was started
+        default_sigint([sys.executable, "-m", "orchestrator", *shlex.split(command)]),
         cwd=project,
         env=cli_env(tmp_path),
         stdout=subprocess.PIPE,

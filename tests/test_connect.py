@@ -30,9 +30,21 @@ UNREACHABLE = textwrap.dedent("""\
         conn.recv(100)
         conn.sendall(b"HTTP/1.1 400 Bad Request\\r\\n\\r\\n")
 
+    greeter = socket.socket()  # speaks HTTP/2's greeting, then nothing: not a gRPC server
+    greeter.bind(("127.0.0.1", 0))
+    greeter.listen()
+
+    def greet():
+        conn, _ = greeter.accept()
+        conn.recv(100)
+        conn.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # an empty SETTINGS frame
+        time.sleep(60)
+
     threading.Thread(target=answer, daemon=True).start()
+    threading.Thread(target=greet, daemon=True).start()
     addresses = ["127.0.0.1:1", f"127.0.0.1:{silent.getsockname()[1]}",
-                 f"127.0.0.1:{other.getsockname()[1]}", "ray://127.0.0.1:1", "env"]
+                 f"127.0.0.1:{other.getsockname()[1]}", f"127.0.0.1:{greeter.getsockname()[1]}",
+                 "ray://127.0.0.1:1", "env"]
     for address in addresses:
         if address == "env":
             os.environ["RAY_ADDRESS"] = "127.0.0.1:1"
@@ -59,13 +71,14 @@ def test_an_address_where_no_ray_answers_fails_within_seconds(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 5, proc.stdout + proc.stderr
+    assert len(lines) == 6, proc.stdout + proc.stderr
     took = [float(line.split()[0]) for line in lines]
     assert max(took) < 10, lines
-    refused, silent, other, client, env = lines
+    refused, silent, other, greeter, client, env = lines
     assert "address='127.0.0.1:1'" in refused and "Connection refused" in refused
     assert "did not answer within 5 s" in silent
     assert "does not answer as a Ray GCS" in other
+    assert "does not answer as a Ray GCS" in greeter  # Ray's connect would hang for minutes
     assert "address='ray://127.0.0.1:1'" in client
     assert "RAY_ADDRESS='127.0.0.1:1'" in env
     for line in lines:

@@ -15,6 +15,7 @@ import pytest
 
 from orchestrator import distribute, pool
 from orchestrator_workers.protocol import NodeInfo
+from tests.conftest import default_sigint
 from tests.inherit_probe import TAG, facts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,9 +39,9 @@ def _facts(lines: str) -> list[dict]:
 
 
 def _torchrun(ranks: int, env: dict[str, str]) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={ranks}", str(PROBE)],
+    proc = subprocess.run(  # as from a terminal, however this suite was started
+        default_sigint([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={ranks}", str(PROBE)]),
         env=env, capture_output=True, text=True, timeout=180, check=False,
     )
     assert proc.returncode == 0, proc.stderr
@@ -60,7 +61,7 @@ def fresh_env():
 
 def test_a_rank_inherits_what_a_torchrun_worker_does(fresh_env):
     ours = subprocess.run(
-        [sys.executable, str(PROBE), "1", "2"],
+        default_sigint([sys.executable, str(PROBE), "1", "2"]),
         env=fresh_env, capture_output=True, text=True, timeout=240, check=False,
     )
     assert ours.returncode == 0, ours.stderr

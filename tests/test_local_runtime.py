@@ -64,6 +64,8 @@ class Runtime:
     def __init__(self, env: dict[str, str], tmp: Path) -> None:
         self.env = env
         self.tmp = tmp
+        self.record: dict = {}
+        """What `local start` recorded: address, pid, auth, temp_dir."""
 
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -160,11 +162,17 @@ def runtime() -> Iterator[Runtime]:
     if os.getuid() == 0:
         assert not readable_by_other_user(token)
     # Its record (trusted for the auth mode and the pid `stop` signals) and its log are in
-    # this user's own folder, not in Ray's, where every user may write.
+    # this user's own state folder, not in Ray's, where every user may write. So are Ray's
+    # files: this RAY_TMPDIR is open to others (0755), and Ray makes its folders 0777.
     assert not list((tmp / "ray").glob("orchestrator*"))
+    state = tmp / "home" / ".local" / "state" / "orchestrator"
     for made in (f"local-runtime-{port}.json", f"local-runtime-{port}.log"):
-        path = private.folder(lasting=True) / made
-        assert stat.S_IMODE(path.lstat().st_mode) == 0o600, path
+        assert stat.S_IMODE((state / made).lstat().st_mode) == 0o600, state / made
+    record = json.loads((state / f"local-runtime-{port}.json").read_text())
+    assert record["temp_dir"] == str(private.folder(lasting=True) / f"ray-{port}"), record
+    assert (Path(record["temp_dir"]) / "ray_current_cluster").read_text() == record["address"]
+    assert not (tmp / "ray" / "ray_current_cluster").exists()
+    rt.record = record
     yield rt
     leftover = rt.cli("status")
     pid = re.search(r"\(pid (\d+)", leftover.stdout)
@@ -173,7 +181,7 @@ def runtime() -> Iterator[Runtime]:
     for spare in _spare_pids(tmp):
         os.kill(spare, signal.SIGKILL)
     shutil.rmtree(tmp, ignore_errors=True)
-    (private.folder(lasting=True) / f"local-runtime-{port}.log").unlink(missing_ok=True)
+    shutil.rmtree(private.folder(lasting=True) / f"ray-{port}", ignore_errors=True)
 
 
 def test_a_fresh_script_runs_its_ranks_in_warm_spares(runtime: Runtime) -> None:
@@ -280,6 +288,10 @@ def test_stop_ends_every_process(runtime: Runtime) -> None:
     assert not spares & _spare_pids(runtime.tmp)
     after = runtime.cli("status")
     assert after.returncode == 3 and "no local runtime" in after.stdout
+    # No name of it is left for another user to squat its port under.
+    assert not (Path(runtime.record["temp_dir"]) / "ray_current_cluster").exists()
+    state = runtime.tmp / "home" / ".local" / "state" / "orchestrator"
+    assert not list(state.glob("local-runtime-*.json"))
 
 
 @pytest.fixture
@@ -323,3 +335,37 @@ def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) 
     finally:
         if _alive(runtime_pid):
             os.kill(runtime_pid, signal.SIGTERM)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+def test_a_private_folder_another_user_made_first_is_not_used(
+    private_env: tuple[dict[str, str], Path],
+) -> None:
+    """Another user pre-creates orchestrator-UID in the temp dir: `local start` neither
+    uses it nor dies with a traceback; its lasting files are in the user's state folder."""
+    env, tmp = private_env
+    shared = Path(tempfile.mkdtemp(prefix="sq", dir="/tmp"))
+    try:
+        shared.chmod(0o1777)
+        squat = shared / f"orchestrator-{os.getuid()}"
+        squat.mkdir(mode=0o777)
+        os.chown(squat, 65534, 65534)
+        env = {k: v for k, v in env.items() if k != "RAY_TMPDIR"}
+        env.update(TMPDIR=str(shared), XDG_STATE_HOME=str(tmp / "state"), HOME=str(tmp / "home"))
+        rt = Runtime(env, tmp)
+        port = _free_port()
+        started = rt.cli("start", "--spares", "0", "--port", str(port), timeout=180)
+        record = tmp / "state" / "orchestrator" / f"local-runtime-{port}.json"
+        try:
+            assert started.returncode == 0, started.stdout + started.stderr
+            assert "Traceback" not in started.stderr, started.stderr
+            assert f"{squat} is not this user's private folder" in started.stderr, started.stderr
+            temp_dir = json.loads(record.read_text())["temp_dir"]
+            assert Path(temp_dir).parent == shared and not Path(temp_dir).is_relative_to(squat)
+            assert not list(squat.iterdir())
+        finally:
+            stopped = rt.cli("stop")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert not record.exists()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

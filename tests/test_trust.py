@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster, local
+from orchestrator import cluster, discovery, distribute, logs
+from orchestrator.errors import ConfigError
 from orchestrator.logs import Console
 from orchestrator_workers import private
 from orchestrator_workers.protocol import OutputChunk
@@ -43,8 +46,15 @@ def readable_by_other_user(path: Path) -> bool:
 
 @pytest.fixture
 def ray_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A Ray temp folder of this test's own, 0777 as Ray leaves it, with a live 'cluster'."""
+    """A Ray temp folder of this test's own, 0777 as Ray leaves it, with a live 'cluster'.
+
+    This user's state folder and temp dir are the test's own too: no record of a real
+    local runtime is seen, and none is left.
+    """
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     root = tmp_path / "ray"
     root.mkdir(mode=0o777)
     root.chmod(0o777)
@@ -60,15 +70,15 @@ def test_an_address_file_another_user_could_have_written_is_ignored_and_said_so(
     counts; otherwise the script would send its code and data to their address."""
     named = ray_root / "ray_current_cluster"
     address = named.read_text()
-    assert cluster.local_cluster() == (address, None)
+    assert discovery.local_cluster() == (address, None)
     named.chmod(0o666)  # anyone may rewrite it
-    assert cluster.local_cluster() == (None, None)
+    assert discovery.local_cluster() == (None, None)
     assert "may be written by other users (mode 666)" in capsys.readouterr().err
     named.chmod(0o644)
     planted = ray_root / "elsewhere"
     named.rename(planted)
     named.symlink_to(planted)
-    assert cluster.local_cluster() == (None, None)
+    assert discovery.local_cluster() == (None, None)
     said = capsys.readouterr().err
     assert f"not using the Ray cluster named in {named}" in said and "is a symlink" in said
     assert "address= or RAY_ADDRESS" in said  # what to do if it is trusted after all
@@ -80,19 +90,145 @@ def test_an_address_file_or_record_of_another_uid_is_ignored(
 ) -> None:
     named = ray_root / "ray_current_cluster"
     os.chown(named, OTHER, OTHER)
-    assert cluster.local_cluster() == (None, None)
+    assert discovery.local_cluster() == (None, None)
     said = capsys.readouterr().err
     assert f"belongs to another user (uid {OTHER})" in said, said
     # The local runtime's record names the auth mode and the pid `local stop` signals.
     address = "127.0.0.1:1"
-    record = cluster.runtime_record_path(address)
+    record = discovery.record_path(1)
     private.write(record, f'{{"address": "{address}", "pid": 1, "auth": "token"}}')
+    found = discovery.runtime_record(address)
+    assert found is not None and (found.pid, found.auth, found.temp_dir) == (1, "token", None)
+    os.chown(record, OTHER, OTHER)
+    assert discovery.runtime_record(address) is None
+
+
+def squat_a_port() -> tuple[int, int]:
+    """(pid, port) of a process of uid 65534 listening on a port of its own, all interfaces.
+
+    Forked rather than started: uid 65534 may not read this interpreter's files.
+    """
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls, then wait to be killed
+        try:
+            os.setgid(OTHER)
+            os.setuid(OTHER)
+            server = socket.create_server(("0.0.0.0", 0))  # noqa: S104 - as Ray's GCS does
+            os.write(write, str(server.getsockname()[1]).encode())
+            time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(write)
+    port = int(os.read(read, 16))
+    os.close(read)
+    return pid, port
+
+
+@as_root
+def test_a_stale_address_file_naming_a_port_another_user_took_is_not_joined(
+    ray_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Root's own address file, left by a stopped head, names a port that uid 65534 now
+    listens on: joining would give them the script, and unpickling their answers would run
+    their code as root. What listens there must be this user's (or root's)."""
+    named = ray_root / "ray_current_cluster"
+    squatter, port = squat_a_port()
     try:
-        assert cluster.runtime_record(address) == {"address": address, "pid": 1, "auth": "token"}
-        os.chown(record, OTHER, OTHER)
-        assert cluster.runtime_record(address) is None
+        named.write_text(f"127.0.0.1:{port}")  # root's, 0644: yesterday's trust check passed it
+        assert discovery.listener_uid("127.0.0.1", port) == OTHER
+        assert discovery.local_cluster() == (None, None)
+        said = capsys.readouterr().err
+        assert f"a process of uid {OTHER} listens" in said, said
+        assert f"127.0.0.1:{port}" in said and "address= or RAY_ADDRESS" in said
     finally:
-        record.unlink()
+        os.kill(squatter, signal.SIGKILL)
+        os.waitpid(squatter, 0)
+    # Its head gone and nobody listening: the next driver removes the stale name.
+    assert discovery.local_cluster() == (None, named)
+    assert not named.exists()
+
+
+def test_a_dead_runtime_s_record_and_address_file_are_removed(ray_root: Path) -> None:
+    """The next driver that finds the runtime dead removes both names it left."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    temp = ray_root.parent / "private-ray"
+    temp.mkdir()
+    address = "127.0.0.1:1"
+    (temp / "ray_current_cluster").write_text(address)
+    record = discovery.record_path(1)
+    fields = f'"address": "{address}", "pid": {dead.pid}, "auth": "token", "temp_dir": "{temp}"'
+    private.write(record, "{" + fields + "}")
+    (ray_root / "ray_current_cluster").unlink()  # no plain `ray start` either
+    assert discovery.local_cluster() == (None, record)
+    assert not record.exists() and not (temp / "ray_current_cluster").exists()
+
+
+@as_root
+def test_our_heads_never_use_a_ray_temp_folder_others_can_enter(
+    ray_root: Path, open_dir: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ray makes its folders 0777: in RAY_TMPDIR/ray, which another user can reach, they
+    could swap its address file for a link that Ray then writes through."""
+    monkeypatch.setenv("RAY_TMPDIR", str(open_dir))
+    made = cluster.head_temp_dir(lasting=True, name="ray-test")
+    assert made is not None and Path(made).parent == private.folder(lasting=True), made
+    assert "not putting Ray's files in RAY_TMPDIR" in capsys.readouterr().err
+    open_dir.chmod(0o700)  # closed to others (as pytest's and mkdtemp's folders)
+    assert cluster.head_temp_dir(lasting=True, name="ray-test") is None  # Ray's, there
+
+
+@as_root
+@pytest.mark.parametrize("case", ["theirs", "open", "their-subfolder"])
+def test_a_log_dir_another_user_can_reach_into_is_refused_before_anything_starts(
+    open_dir: Path, case: str
+) -> None:
+    """/tmp/logs-like folders: the per-call folder could be guessed and pre-made, adopted
+    without an owner check, or a link; another user then reads the training output."""
+    shared = open_dir / "logs"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    if case == "theirs":
+        os.chown(shared, OTHER, OTHER)
+    elif case == "open":
+        shared.chmod(0o777)  # ours, but anyone may rename what is in it
+    else:
+        (shared / "train").mkdir()
+        os.chown(shared / "train", OTHER, OTHER)
+    with pytest.raises(ConfigError) as error:
+        distribute(print, num_replicas=1, name="train", log_dir=shared)
+    said = str(error.value)
+    assert f"log_dir='{shared}'" in said and "another user could read" in said, said
+    assert {"theirs": f"uid {OTHER}", "open": "mode 777", "their-subfolder": "train"}[case] in said
+
+
+@as_root
+def test_a_call_s_log_folder_is_new_unguessable_and_its_files_made_new(open_dir: Path) -> None:
+    """In a shared sticky folder: each call makes a fresh 0700 folder with a random name,
+    and a rank's log is created new, never one someone planted."""
+    shared = open_dir / "logs"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    first, second = logs.call_folder(shared, "train"), logs.call_folder(shared, "train")
+    assert first != second and first.parent == second.parent == shared / "train"
+    assert stat.S_IMODE(first.stat().st_mode) == 0o700
+    assert len(first.name.rsplit("-", 1)[1]) >= 8  # mkdtemp's random part
+    planted = first / "rank-0.log"
+    planted.write_text("")
+    os.chown(planted, OTHER, OTHER)  # as if they had got in
+    console = Console("train", 1, log_dir=first)
+    with pytest.raises(private.UnsafeFolderError, match="was not made by this job"):
+        console.write(0, [OutputChunk(1, "stdout", b"DB_PASSWORD=hunter2\n")])
+    planted.unlink()
+    console = Console("train", 1, log_dir=first)
+    console.write(0, [OutputChunk(1, "stdout", b"secret\n")])
+    console.close_logs()
+    again = Console("train", 1, log_dir=first)  # a restart appends to its own file
+    again.write(0, [OutputChunk(2, "stdout", b"more\n")])
+    again.close_logs()
+    assert planted.read_text().splitlines()[-2:] == ["secret", "more"]
+    assert not readable_by_other_user(planted)
 
 
 def test_local_stop_signals_only_this_user_s_ray_start_for_that_address() -> None:
@@ -102,17 +238,27 @@ def test_local_stop_signals_only_this_user_s_ray_start_for_that_address() -> Non
         [sys.executable, "-c", script, "start", "--head", "--block", "--port=6399"]
     )
     other = subprocess.Popen([sys.executable, "-c", script])
+    _wait_for_exec(lookalike.pid, b"--port=6399")
+    _wait_for_exec(other.pid, script.encode())
     try:
-        assert local._not_ours(lookalike.pid, "10.0.0.1:6399") is None
-        why = local._not_ours(lookalike.pid, "10.0.0.1:6400")  # another runtime's port
+        assert discovery.runtime_not_ours(lookalike.pid, "10.0.0.1:6399") is None
+        why = discovery.runtime_not_ours(lookalike.pid, "10.0.0.1:6400")  # another runtime's port
         assert why and "--port=6400" in why, why
-        why = local._not_ours(other.pid, "10.0.0.1:6399")
+        why = discovery.runtime_not_ours(other.pid, "10.0.0.1:6399")
         assert why and "its command line is not" in why, why
     finally:
         for process in (lookalike, other):
             process.kill()
             process.wait()
-    assert local._not_ours(lookalike.pid, "10.0.0.1:6399") == "no such process"
+    assert discovery.runtime_not_ours(lookalike.pid, "10.0.0.1:6399") == "no such process"
+
+
+def _wait_for_exec(pid: int, mark: bytes) -> None:
+    """Until `pid` runs its own program: before exec, /proc shows the parent's argv."""
+    deadline = time.monotonic() + 30
+    while mark not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"pid {pid} did not exec"
+        time.sleep(0.01)
 
 
 @as_root
@@ -120,8 +266,9 @@ def test_local_stop_leaves_another_user_s_process_alone() -> None:
     theirs = subprocess.Popen(  # a shell that stays (it runs two commands), with that argv
         ["sh", "-c", "sleep 60; :", "start", "--head", "--block", "--port=6399"], user=OTHER
     )
+    _wait_for_exec(theirs.pid, b"--port=6399")
     try:
-        why = local._not_ours(theirs.pid, "10.0.0.1:6399")
+        why = discovery.runtime_not_ours(theirs.pid, "10.0.0.1:6399")
         assert why == f"it belongs to uid {OTHER}, not to this user (uid 0)"
     finally:
         theirs.kill()
@@ -174,3 +321,98 @@ def test_files_are_created_new_never_through_a_link(tmp_path: Path, monkeypatch)
     assert victim.read_text() == "untouched"
     assert (folder / "out.json").read_text() == "ours"
     assert stat.S_IMODE((folder / "out.json").stat().st_mode) == 0o600
+
+
+def test_the_debugger_s_greeting_has_one_deadline_and_others_greet_meanwhile(monkeypatch) -> None:
+    """A client trickling a byte at a time does not hold the port while it greets, and is
+    hung up on at the greeting's deadline; bytes sent with the secret, in one packet, are
+    kept for pdb."""
+    import threading
+
+    from orchestrator_workers import debugger
+
+    def serve(listener: socket.socket) -> tuple[threading.Thread, list]:
+        found: list[tuple[socket.socket, bytes]] = []
+        accept = debugger._accept_with
+        thread = threading.Thread(target=lambda: found.append(accept(listener, "s3")))
+        thread.start()
+        return thread, found
+
+    monkeypatch.setattr(debugger, "_HELLO_TIMEOUT_S", 30.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    waiter, found = serve(listener)
+    with socket.create_connection(listener.getsockname(), timeout=10) as trickler:
+        trickler.sendall(b"0")  # and nothing more for now: it greets until its deadline
+        with socket.create_connection(listener.getsockname(), timeout=10) as real:
+            real.sendall(b"s3\np x\n")
+            waiter.join(10)
+            assert found, "the real client waited behind a greeting one"
+            conn, rest = found[0]
+            assert rest == b"p x\n"  # the command sent with the secret is not lost
+            conn.close()
+        assert trickler.recv(1) == b""  # hung up on once the secret came
+    listener.close()
+
+    monkeypatch.setattr(debugger, "_HELLO_TIMEOUT_S", 1.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    waiter, found = serve(listener)
+    with socket.create_connection(listener.getsockname(), timeout=10) as trickler:
+        started = time.monotonic()
+        trickler.settimeout(0.2)
+        held = 0.0
+        while held < 10:  # a byte every 0.2 s: each recv alone would never time out
+            try:
+                trickler.sendall(b"0")
+                if trickler.recv(1) == b"":
+                    break
+            except TimeoutError:
+                pass
+            except OSError:
+                break
+            held = time.monotonic() - started
+        assert held < 3, f"a trickling client held the greeting for {held:.1f} s"
+    with socket.create_connection(listener.getsockname(), timeout=10) as real:
+        real.sendall(b"s3\n")
+        waiter.join(10)
+    assert found and found[0][1] == b""
+    found[0][0].close()
+    listener.close()
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return False
+    except ConnectionRefusedError:
+        return True
+
+
+def test_the_rendezvous_store_listens_for_its_call_alone_on_the_ranks_interface(cluster) -> None:
+    """torch's TCPStore has no authentication: between calls nothing listens on the
+    store's port (the next call's is only reserved), and during a call only the ranks'
+    interface answers, not loopback, as another local user would try first."""
+    import torch.distributed as dist
+
+    def rendezvous() -> tuple[str, int, bool]:
+        dist.init_process_group("gloo")
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        loopback_refused = _refused("127.0.0.1", port)
+        dist.barrier()
+        dist.destroy_process_group()
+        return host, port, loopback_refused
+
+    fn = distribute(rendezvous, num_replicas=2, replicas_per_node=1)
+    try:
+        (host, port, loopback_refused), _ = fn()
+        if host not in ("127.0.0.1", "localhost"):
+            assert loopback_refused, "the store listened on every interface"
+        deadline = time.monotonic() + 10  # closed once every rank is done, not waited for
+        while not _refused(host, port):
+            assert time.monotonic() < deadline, "the finished call's store stayed open"
+            time.sleep(0.1)
+        reserved = fn._runner.pool.store_port
+        assert reserved != port and _refused(host, reserved)  # the next call's: reserved only
+        (_, used, _), _ = fn()  # the next call rendezvous there
+        assert used == reserved
+    finally:
+        fn.shutdown()

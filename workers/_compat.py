@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import socket
 from typing import Any
 
 _degraded: dict[str, str] = {}
@@ -93,3 +95,35 @@ def tracker_in_own_session() -> None:
 
     spawn.__wrapped__ = original  # type: ignore[attr-defined]
     util.spawnv_passfds = spawn
+
+
+def reserve_port(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (0: one the OS picks), not yet listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.set_inheritable(False)
+    sock.bind((host, port))
+    return sock
+
+
+def serve_store(sock: socket.socket) -> Any:
+    """torch's TCPStore server listening on `sock` (bound to the ranks' interface) alone.
+
+    torch binds a store it opens itself to every interface; handed a listening socket
+    (`master_listen_fd`), it serves there. Degraded (a torch without it, or whose backend
+    refuses it): the store listens on every interface, on the same port.
+    """
+    from torch.distributed import TCPStore
+
+    host, port = sock.getsockname()[:2]
+    sock.listen(128)
+    fd = sock.detach()
+    try:
+        return TCPStore(
+            host, port, None, is_master=True, wait_for_workers=False, master_listen_fd=fd
+        )
+    except (TypeError, RuntimeError, ValueError) as exc:
+        os.close(fd)
+        _degraded.setdefault("serve_store", f"the store listens on every interface: {exc}")
+        return TCPStore(host, port, None, is_master=True, wait_for_workers=False)

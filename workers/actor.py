@@ -48,7 +48,10 @@ class RankActor:
         self._local_rank = 0
         self._node_ip = ray.util.get_node_ip_address()
         self._store: Any = None
-        self._next_store: Any = None
+        """The running call's rendezvous store (rank 0): torch's TCPStore server."""
+        self._reserved: socket.socket | None = None
+        """The next call's store port, bound on this node's IP but not listening."""
+        self._store_lock = threading.Lock()
         self._capture = Capture()
         threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
         sharing.remove("", older_than=sharing.STALE_S)  # what killed ranks may have left here
@@ -83,11 +86,36 @@ class RankActor:
         return stacks.current_stacks()
 
     def open_store(self) -> int:
-        """Serve the next call's rendezvous store on a port the OS picks; return it."""
-        from torch.distributed import TCPStore
+        """Reserve the next call's rendezvous port (nothing listens there until the call
+        starts), closing any store still open; return the port."""
+        with self._store_lock:
+            self._store = None
+        return self._reserve()
 
-        self._next_store = TCPStore(self._node_ip, 0, None, is_master=True, wait_for_workers=False)
-        return self._next_store.port
+    def _reserve(self) -> int:
+        """Reserve a port for the next call's store; the running call's stays open."""
+        with self._store_lock:
+            if self._reserved is not None:
+                self._reserved.close()
+            self._reserved = _compat.reserve_port(self._node_ip)
+            return int(self._reserved.getsockname()[1])
+
+    @ray.method(concurrency_group="control")
+    def close_store(self, port: int) -> None:
+        """Close the store of the call that used `port`: every rank of it is done."""
+        with self._store_lock:
+            if self._store is not None and self._store.port == port:
+                self._store = None
+
+    def _serve_store(self, port: int) -> None:
+        """Rank 0, as its call starts: serve the rendezvous store on the reserved `port`."""
+        with self._store_lock:
+            reserved, self._reserved = self._reserved, None
+            if reserved is None or reserved.getsockname()[1] != port:
+                if reserved is not None:
+                    reserved.close()
+                reserved = _compat.reserve_port(self._node_ip, port)
+            self._store = _compat.serve_store(reserved)
 
     def run(self, packed_spec: bytes, payload: bytes | Payload) -> bytes:
         """Run the shipped function as the rank the pickled RankSpec names; never raises.
@@ -110,10 +138,9 @@ class RankActor:
         if isinstance(payload, bytes):
             payload = pickle.loads(payload)  # noqa: S301 - from our own driver
         self._local_rank = spec.local_rank
-        if spec.rank == 0:
-            # The previous call's store lived until now: peers may have used it to the end.
-            self._store, self._next_store = self._next_store, None
         try:
+            if spec.rank == 0:  # first, so that it listens before a peer connects
+                self._serve_store(spec.master_port)
             # First: every rank of this node must count itself as a reader (see sharing).
             readers = spec.ranks_on_node if environment.shares_buffers(spec) else 1
             buffers = sharing.private_buffers(
@@ -152,20 +179,14 @@ class RankActor:
                 error_file=report.path,
             )
         _destroy_process_group()
-        next_port = self._store_for_next_call() if spec.rank == 0 else None
+        # Peers may still use this call's store: the driver closes it once all are done.
+        next_port = self._reserve() if spec.rank == 0 else None
         return RankResult(
             rank=spec.rank,
             value=value,
             output_seq=self._capture.sync(),
             next_master_port=next_port,
         )
-
-    def _store_for_next_call(self) -> int:
-        """A store no rank has written to is reused; a used one is never (stale keys)."""
-        if self._store is not None and self._store.num_keys() == 0:
-            self._next_store, self._store = self._store, None
-            return self._next_store.port
-        return self.open_store()
 
     def _failure(self, exc: BaseException, when: float, *, setup: bool) -> RankFailure:
         tb = exc.__traceback__

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import io
 import os
 import pdb
 import secrets
+import selectors
 import socket
 import sys
+import time
 from types import FrameType, TracebackType
+from typing import Any
 
 from orchestrator_workers import capture
 
@@ -25,7 +29,9 @@ ATTACH_HINT = f"{TOKEN_VAR}={{token}} python -m orchestrator attach {{host}}:{{p
 WAITING, ATTACHED = "waiting for a debugger", "in a debugger"
 """A rank's states while it stops at a breakpoint (job.status() shows them)."""
 _HELLO_TIMEOUT_S = 10.0
-"""How long a client may take to send the secret before it is hung up on."""
+"""How long a client may take to send its whole first line (the secret) before it is hung up on."""
+_MAX_GREETING = 64
+"""Connections greeting at once; past this the oldest is hung up on."""
 
 
 class RemotePdb(pdb.Pdb):
@@ -45,18 +51,20 @@ class RemotePdb(pdb.Pdb):
             flush=True,
         )
         capture.tell_driver(WAITING)
-        conn = _accept_with(self._listener, token)
+        conn, already = _accept_with(self._listener, token)
         self._listener.close()  # one session per stop: the secret is spent
         capture.tell_driver(ATTACHED)
         self._conn = conn
-        self._file = conn.makefile("rw", buffering=1, encoding="utf-8", errors="replace")
-        super().__init__(stdin=self._file, stdout=self._file)
+        reader = io.BufferedReader(_Prefixed(already, conn))  # commands sent with the secret
+        self._in = io.TextIOWrapper(reader, encoding="utf-8", errors="replace")
+        self._file = conn.makefile("w", buffering=1, encoding="utf-8", errors="replace")
+        super().__init__(stdin=self._in, stdout=self._file)
         self.use_rawinput = False
         self.prompt = f"(Pdb rank {rank}) "
 
     def close(self) -> None:
         """Hang up on the attached client."""
-        for closable in (self._file, self._conn, self._listener):
+        for closable in (self._file, self._in, self._conn, self._listener):
             with contextlib.suppress(OSError):
                 closable.close()
         capture.tell_driver("")
@@ -79,25 +87,111 @@ class RemotePdb(pdb.Pdb):
     do_q = do_exit = do_quit
 
 
-def _accept_with(listener: socket.socket, token: str) -> socket.socket:
-    """The first connection whose first line is `token`; others are closed unanswered."""
-    wanted = token.encode()
-    while True:
-        conn, _ = listener.accept()
-        conn.settimeout(_HELLO_TIMEOUT_S)
-        hello = b""
-        with contextlib.suppress(OSError):  # a timeout or a reset: not our client
-            while b"\n" not in hello and len(hello) < 256:
-                chunk = conn.recv(256)
-                if not chunk:
-                    break
-                hello += chunk
-        given = hello.split(b"\n", 1)[0].strip()
-        if hmac.compare_digest(given, wanted):
-            conn.settimeout(None)
-            return conn
+def _accept_with(listener: socket.socket, token: str) -> tuple[socket.socket, bytes]:
+    """The first connection whose first line is `token`, and what it sent after that line.
+
+    Others are closed unanswered. Connections greet side by side, each with one deadline
+    for its whole first line: one that trickles bytes cannot hold the port.
+    """
+    listener.setblocking(False)
+    with _Greeter(listener, token.encode()) as greeter:
+        while True:
+            found = greeter.step()
+            if found is not None:
+                return found
+
+
+class _Greeter:
+    """The connections still sending their first line, each with its deadline."""
+
+    def __init__(self, listener: socket.socket, wanted: bytes) -> None:
+        self._listener = listener
+        self._wanted = wanted
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._greeting: dict[socket.socket, tuple[float, bytes]] = {}
+
+    def __enter__(self) -> _Greeter:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for conn in list(self._greeting):
+            self._drop(conn)
+        self._selector.close()
+
+    def step(self) -> tuple[socket.socket, bytes] | None:
+        """Wait for one event; the client with the secret and its further bytes, if it came."""
+        now = time.monotonic()
+        for conn in [c for c, (deadline, _) in self._greeting.items() if deadline <= now]:
+            self._drop(conn)
+        deadlines = [deadline for deadline, _ in self._greeting.values()]
+        for key, _ in self._selector.select(max(min(deadlines, default=now + 60) - now, 0)):
+            conn = key.fileobj
+            if conn is self._listener:
+                self._accept()
+            elif isinstance(conn, socket.socket) and conn in self._greeting:
+                found = self._read(conn)
+                if found is not None:
+                    return conn, found
+        return None
+
+    def _accept(self) -> None:
+        with contextlib.suppress(BlockingIOError, ConnectionAbortedError):
+            conn, _ = self._listener.accept()
+            conn.setblocking(False)
+            self._greeting[conn] = (time.monotonic() + _HELLO_TIMEOUT_S, b"")
+            self._selector.register(conn, selectors.EVENT_READ)
+            if len(self._greeting) > _MAX_GREETING:
+                self._drop(next(iter(self._greeting)))  # the oldest
+
+    def _read(self, conn: socket.socket) -> bytes | None:
+        """What `conn` sent after the secret's line once it has sent it; None until then."""
+        try:
+            chunk = conn.recv(256)
+        except BlockingIOError:
+            return None
+        except OSError:
+            chunk = b""
+        deadline, hello = self._greeting[conn]
+        hello += chunk
+        line, newline, rest = hello.partition(b"\n")
+        if newline and hmac.compare_digest(line.strip(), self._wanted):
+            self._greeting.pop(conn)
+            self._selector.unregister(conn)
+            conn.setblocking(True)
+            return rest
+        if not chunk or newline or len(hello) >= 256:
+            self._drop(conn)
+        else:
+            self._greeting[conn] = (deadline, hello)
+        return None
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._greeting.pop(conn, None)
+        self._selector.unregister(conn)
         with contextlib.suppress(OSError):
             conn.close()
+
+
+class _Prefixed(io.RawIOBase):
+    """A socket's input, starting with bytes already read from it."""
+
+    def __init__(self, first: bytes, conn: socket.socket) -> None:
+        self._first = first
+        self._conn = conn
+
+    def readable(self) -> bool:
+        """It is read from."""
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """What is left of the first bytes, then what the socket has."""
+        if self._first:
+            size = min(len(buffer), len(self._first))
+            buffer[:size] = self._first[:size]
+            self._first = self._first[size:]
+            return size
+        return self._conn.recv_into(buffer)
 
 
 def _host() -> str:

@@ -36,15 +36,61 @@ def folder(*, lasting: bool = False) -> Path:
         path = Path(runtime) / "orchestrator"
     else:  # the shared temp dir: the uid in the name keeps users apart
         path = Path(tempfile.gettempdir()) / f"orchestrator-{os.getuid()}"
+    fix = "set TMPDIR to a folder of your own" if lasting or not runtime else "remove it"
+    return _own(path, fix)
+
+
+def state_folder() -> Path:
+    """This user's folder for files that last (the local runtime's record and log): 0700.
+
+    $XDG_STATE_HOME/orchestrator, else ~/.local/state/orchestrator: in the user's home,
+    where no other user can have made it first.
+    """
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    Path(base).mkdir(mode=0o700, parents=True, exist_ok=True)
+    return _own(Path(base) / "orchestrator", "set XDG_STATE_HOME to a folder of your own")
+
+
+def _own(path: Path, fix: str) -> Path:
+    """`path`, made 0700 if missing; UnsafeFolderError, saying `fix`, if it is not ours alone."""
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
     found = os.lstat(path)
     if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+        kind = "a symlink" if stat.S_ISLNK(found.st_mode) else "not this user's private folder"
         raise UnsafeFolderError(
-            f"{path} is not this user's private folder (owner uid {found.st_uid}, mode "
-            f"{stat.S_IMODE(found.st_mode):o}); remove it, or set XDG_RUNTIME_DIR"
+            f"{path} is {kind} (owner uid {found.st_uid}, mode {stat.S_IMODE(found.st_mode):o}): "
+            f"another user may have made it to read or plant this user's files; {fix}"
         )
     return path
+
+
+def unsafe(path: Path, *, closed: bool = False) -> str | None:
+    """Why another user could replace what is made under `path`, or None.
+
+    From the root down, while others can reach a folder: it must be this user's or root's,
+    and others may not write in it unless it is sticky (as /tmp). A folder others cannot
+    enter ends the walk; missing folders will be made 0700. `closed`: others must not be
+    able to enter `path` at all (for a tool that makes its own folders there open to all).
+    Symlinks are followed (`path` is resolved first), so the result is about
+    `os.path.realpath(path)`, which callers should use from then on.
+    """
+    resolved = Path(os.path.realpath(path))
+    for part in [*reversed(resolved.parents), resolved]:
+        try:
+            found = os.stat(part)
+        except FileNotFoundError:
+            break
+        if found.st_uid not in (os.getuid(), 0):
+            return f"{part} belongs to another user (uid {found.st_uid})"
+        mode = stat.S_IMODE(found.st_mode)
+        if mode & 0o022 and not mode & stat.S_ISVTX:
+            return f"other users may write in {part} (mode {mode:o}) and replace what is in it"
+        if not mode & 0o011:
+            return None  # nobody else can enter: what lies below is ours
+    if closed:
+        return f"other users may enter {resolved}"
+    return None
 
 
 def create(path: Path) -> int:

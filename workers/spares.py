@@ -132,16 +132,17 @@ class Broker:
     """Keeps `count` spares ready on its node and hands them out, each once."""
 
     def __init__(
-        self, count: int, idle_timeout: float | None, runtime_pid: int, record: str
+        self, count: int, idle_timeout: float | None, runtime_pid: int, names: list[str]
     ) -> None:
         """Start filling; `runtime_pid` (the `ray start --block` process) ends the runtime.
 
-        `record` is the file naming this runtime for drivers; removed when it stops itself.
+        `names`: the files naming this runtime (its record, Ray's address file), removed
+        when it stops itself: a name left behind would let another user squat its port.
         """
         self._count = count
         self._idle_timeout = idle_timeout
         self._runtime_pid = runtime_pid
-        self._record = record
+        self._names = names
         self._node_id = ray.get_runtime_context().get_node_id()
         self._error = ""
         self._lock = threading.Lock()
@@ -206,8 +207,9 @@ class Broker:
         while True:
             time.sleep(0.5)
             if self._idle_too_long():
-                with contextlib.suppress(OSError):
-                    os.unlink(self._record)
+                for name in self._names:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name)
                 os.kill(self._runtime_pid, signal.SIGTERM)  # `ray start --block` stops the rest
                 return
             with self._lock:
