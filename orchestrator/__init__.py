@@ -12,9 +12,12 @@ from orchestrator.errors import (
     PlacementTimeoutError,
 )
 from orchestrator.job import Job, JobStatus, RankStatus
+from orchestrator.options import CallOptions, default_log_dir
+from orchestrator_workers.protocol import RankFailure
 
 __all__ = [
     "BusyError",
+    "CallOptions",
     "ClusterUnreachableError",
     "ConfigError",
     "DistributedError",
@@ -25,6 +28,8 @@ __all__ = [
     "OrchestratorError",
     "PlacementError",
     "PlacementTimeoutError",
+    "RankFailure",
     "RankStatus",
+    "default_log_dir",
     "distribute",
 ]

@@ -14,6 +14,8 @@ The rank side's touches (a worker's GCS client, torch's process-group counter) a
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import inspect
 import logging
 import os
@@ -38,9 +40,16 @@ def _fell_back(touch: str, why: object) -> None:
         logging.getLogger("orchestrator").debug("Ray compat: %s falls back (%s)", touch, why)
 
 
+def _raylet() -> Any:
+    """Ray's compiled core module: its Python stubs leave out the private parts we touch."""
+    return importlib.import_module("ray._raylet")
+
+
 def _has_parameters(function: object, *names: str) -> bool:
+    if not callable(function):
+        return False
     try:
-        parameters = inspect.signature(function).parameters  # type: ignore[arg-type]
+        parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):
         return False
     return all(name in parameters for name in names)
@@ -75,12 +84,12 @@ def wrap_log_printer(keep: Callable[[dict[str, Any]], dict[str, Any] | None]) ->
     if getattr(original, "__wrapped__", None) is not None:
         return True  # wrapped already, by an earlier call
 
+    @functools.wraps(original)
     def filtered(data: dict[str, Any], ignore_prefix: bool) -> None:
         kept = keep(data)
         if kept is not None:
             original(kept, ignore_prefix)
 
-    filtered.__wrapped__ = original  # type: ignore[attr-defined]
     worker.print_to_stdstream = filtered
     return True
 
@@ -144,9 +153,8 @@ def alive_nodes(address: str) -> int | None:
     Degraded: None (unknown), and callers assume a real multi-node cluster.
     """
     try:
-        from ray._raylet import GcsClient  # what `ray status` uses
-
-        found = GcsClient(address=address).get_all_node_info(timeout=5)
+        raylet = _raylet()
+        found = raylet.GcsClient(address=address).get_all_node_info(timeout=5)  # `ray status`
     except (ImportError, AttributeError, TypeError) as exc:
         _fell_back("alive_nodes", exc)
         return None
@@ -161,10 +169,9 @@ def reload_auth_mode() -> bool:
     Degraded (False): the user sets RAY_AUTH_MODE=token by hand to join a local runtime.
     """
     try:
-        from ray._raylet import AuthenticationTokenLoader, Config
-
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+        raylet = _raylet()
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
     except (ImportError, AttributeError) as exc:
         _fell_back("reload_auth_mode", exc)
         return False

@@ -11,11 +11,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from typing_extensions import Unpack
+
 from orchestrator import call, cluster, notebook, shipping
 from orchestrator.errors import BusyError
 from orchestrator.job import Job, stop_all
 from orchestrator.logs import DEFAULT_PREFIX, read_log
-from orchestrator.options import Options
+from orchestrator.options import CallOptions, Options
 from orchestrator.runner import Runner, busy_error
 
 P = ParamSpec("P")
@@ -89,7 +91,7 @@ class DistributedFunction(Generic[P, R]):
             job.view.tick_while(lambda: not job.done())  # the elapsed times move on
         return job
 
-    def with_options(self, **changes: Any) -> DistributedFunction[P, R]:
+    def with_options(self, **changes: Unpack[CallOptions]) -> DistributedFunction[P, R]:
         """The same function and warm pool with other per-call options.
 
         Accepted: timeout, placement_timeout, queue, max_restarts, restart_on.

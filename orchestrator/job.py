@@ -11,7 +11,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import messages
 from orchestrator.call import stacks
@@ -69,7 +69,7 @@ class JobStatus:
         return f"{self.name}: {self.state}{detail}{restarts} ({ranks})"
 
 
-class Job(Future, Generic[R]):  # type: ignore[type-arg]
+class Job(Future[list[R]]):
     """One call of a distributed function, running or waiting; a concurrent.futures.Future.
 
     `result()` returns the ranks' results by rank, or raises the DistributedError;
@@ -247,6 +247,7 @@ class Job(Future, Generic[R]):  # type: ignore[type-arg]
             if error is not None:
                 self.set_exception(error)
             else:
+                assert value is not None, "a job settles with its results or an error"
                 self.set_result(value)
 
     def discard(self) -> None:

@@ -325,7 +325,7 @@ def run(options: RunOptions) -> int:
         _say_standalone()
     # The embedded instance, and a one-node `ray start` or local runtime here, run on this
     # machine: the ranks read the files in place (and may start in warm spares).
-    shipped = bool(target) and options.upload and not _only_this_machine(target)
+    shipped = target is not None and options.upload and not _only_this_machine(target)
     script, folder = script_for(options, shipped=shipped)
     started = False
     name = job_name(options)

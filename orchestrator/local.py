@@ -159,7 +159,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         cluster.connect(address)
         # Stopping itself when idle, it removes the files naming it, as `stop` does.
         names = [str(record), str(address_file)]
-        broker = RemoteBroker.options(
+        broker: Any = RemoteBroker.options(  # an actor handle: Ray types its methods loosely
             name=BROKER_NAME, namespace=NAMESPACE, lifetime="detached"
         ).remote(spares, idle_timeout, process.pid, names)
         deadline = time.monotonic() + _START_TIMEOUT_S

@@ -13,7 +13,9 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict
+
+from typing_extensions import Unpack
 
 from orchestrator import placement
 from orchestrator.errors import ConfigError
@@ -77,7 +79,8 @@ class Options:
             return default_log_dir()
         if self.log_dir is False or self.log_dir is None:
             return None
-        return Path(self.log_dir)  # type: ignore[arg-type]
+        assert isinstance(self.log_dir, str | os.PathLike), self.log_dir  # checked by problems()
+        return Path(self.log_dir)
 
     @classmethod
     def create(cls, fn: object, **given: Any) -> Options:
@@ -96,7 +99,7 @@ class Options:
             raise ConfigError("invalid arguments to distribute():\n  " + "\n  ".join(problems))
         return options
 
-    def with_changes(self, **changes: Any) -> Options:
+    def with_changes(self, **changes: Unpack[CallOptions]) -> Options:
         """These options with other per-call ones (`PER_CALL`); ConfigError for any other."""
         unknown = sorted(set(changes) - PER_CALL)
         if unknown:
@@ -145,10 +148,10 @@ class Options:
                 f"name={self.name!r}: must be 1-64 letters, digits, '_', '.' or '-', "
                 "starting with a letter or digit"
             )
-        for key, value in (self.env or {}).items():
-            if not isinstance(key, str) or not isinstance(value, str) or not key or "=" in key:
+        for var, text in (self.env or {}).items():
+            if not isinstance(var, str) or not isinstance(text, str) or not var or "=" in var:
                 problems.append(
-                    f"env[{key!r}]={value!r}: names and values must be strings, names without '='"
+                    f"env[{var!r}]={text!r}: names and values must be strings, names without '='"
                 )
         if self.address is not None and not isinstance(self.address, str):
             problems.append(
@@ -210,8 +213,18 @@ class Options:
         return problems
 
 
-PER_CALL = frozenset({"timeout", "placement_timeout", "queue", "max_restarts", "restart_on"})
-"""The options `with_options` may change: they concern calls, not the ranks' layout."""
+class CallOptions(TypedDict, total=False):
+    """The options `with_options` may change: they concern calls, not the ranks' layout."""
+
+    timeout: float | None
+    placement_timeout: float | None
+    queue: bool
+    max_restarts: int
+    restart_on: Literal["any", "crash"]
+
+
+PER_CALL = frozenset(CallOptions.__annotations__)
+"""The names of `CallOptions`."""
 
 
 def default_log_dir() -> Path:

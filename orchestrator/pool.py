@@ -23,7 +23,7 @@ from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
 from orchestrator_workers.environment import order_devices
 from orchestrator_workers.protocol import NodeInfo, RankSpec
 
-_RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)
+_RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)  # type: ignore[call-overload]  # Ray's stubs omit this documented option
 _WAIT_NOTICE_S = 1.0
 """A request not placed within this long is announced on the console."""
 _RECHECK_S = 2.0

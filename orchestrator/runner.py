@@ -192,7 +192,7 @@ class Runner:
                 self.release()
                 _forget_buffers(failed)
                 if earlier and isinstance(exc, OrchestratorError):
-                    exc.earlier_attempts = tuple(earlier)  # type: ignore[attr-defined]
+                    exc.earlier_attempts = tuple(earlier)
                 job.finish(error=exc)
                 return
             job.finish(value)

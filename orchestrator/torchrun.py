@@ -12,6 +12,7 @@ import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from orchestrator import placement
 from orchestrator.cluster import Node
@@ -30,9 +31,9 @@ class LayoutError(OrchestratorError, ValueError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """torchrun's options, each in its dash and underscore spellings."""
 
-    def both(name: str, **kwargs: object) -> None:
+    def both(name: str, **kwargs: Any) -> None:
         spellings = [f"--{name}"] + ([f"--{name.replace('-', '_')}"] if "-" in name else [])
-        parser.add_argument(*spellings, dest=name.replace("-", "_"), **kwargs)  # type: ignore[arg-type]
+        parser.add_argument(*spellings, dest=name.replace("-", "_"), **kwargs)
 
     both("nnodes", metavar="N", help="nodes, as torchrun's --nnodes (N, or N:N; not a range)")
     both(

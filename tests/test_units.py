@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -26,6 +28,7 @@ from orchestrator_workers.protocol import RankFailure, RankSpec
 def test_public_api_is_small_and_stable():
     assert sorted(orchestrator.__all__) == [
         "BusyError",
+        "CallOptions",
         "ClusterUnreachableError",
         "ConfigError",
         "DistributedError",
@@ -36,9 +39,14 @@ def test_public_api_is_small_and_stable():
         "OrchestratorError",
         "PlacementError",
         "PlacementTimeoutError",
+        "RankFailure",
         "RankStatus",
+        "default_log_dir",
         "distribute",
     ]
+    # Every public name a user's type checker can follow: a typed package (py.typed).
+    for package in ("orchestrator", "orchestrator_workers"):
+        assert (Path(importlib.import_module(package).__file__).parent / "py.typed").exists()
 
 
 def test_layout_is_contiguous_per_node():

@@ -8,9 +8,11 @@ falls back to a named degraded mode, and records why in `degraded()`;
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 _degraded: dict[str, str] = {}
@@ -31,8 +33,8 @@ def job_states() -> dict[str, bool] | None:
     try:
         import ray
 
-        gcs: Any = ray._private.worker.global_worker.gcs_client
-        get_all = gcs.get_all_job_info
+        worker: Any = ray._private.worker.global_worker  # its GCS client is private
+        get_all = worker.gcs_client.get_all_job_info
     except AttributeError as exc:
         _degraded.setdefault("job_states", str(exc))
         return None
@@ -88,12 +90,13 @@ def tracker_in_own_session() -> None:
     if getattr(original, "__wrapped__", None) is not None:
         return
 
-    def spawn(path: Any, args: list[str], passfds: Any) -> int:
-        if args and "resource_tracker import main" in args[-1]:
-            args = [*args[:-1], "import os; os.setsid(); " + args[-1]]
+    @functools.wraps(original)
+    def spawn(path: bytes, args: Sequence[Any], passfds: Sequence[int]) -> int:
+        last = args[-1] if args else None
+        if isinstance(last, str) and "resource_tracker import main" in last:
+            args = [*args[:-1], "import os; os.setsid(); " + last]
         return original(path, args, passfds)
 
-    spawn.__wrapped__ = original  # type: ignore[attr-defined]
     util.spawnv_passfds = spawn
 
 

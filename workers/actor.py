@@ -134,9 +134,8 @@ class RankActor:
             )
             return cloudpickle.dumps(self._failure(problem, time.time(), setup=False))
 
-    def _run(self, spec: RankSpec, payload: bytes | Payload) -> RankResult | RankFailure:
-        if isinstance(payload, bytes):
-            payload = pickle.loads(payload)  # noqa: S301 - from our own driver
+    def _run(self, spec: RankSpec, packed: bytes | Payload) -> RankResult | RankFailure:
+        payload: Payload = pickle.loads(packed) if isinstance(packed, bytes) else packed  # noqa: S301 - from our own driver
         self._local_rank = spec.local_rank
         try:
             if spec.rank == 0:  # first, so that it listens before a peer connects

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NoReturn
 
 from orchestrator_workers.private import UnsafeFolderError
 from orchestrator_workers.protocol import OutputChunk
@@ -65,9 +66,11 @@ class Capture:
         self._tee = self._lifeline = -1
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(AttributeError, ValueError):
-                stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        for console in (sys.stdout, sys.stderr):
+            reconfigure = getattr(console, "reconfigure", None)  # a TextIOWrapper's, or alike
+            if callable(reconfigure):
+                with contextlib.suppress(ValueError):
+                    reconfigure(line_buffering=True)
         threading.Thread(target=self._pump, name="output-capture", daemon=True).start()
         self._hook_exit()
         self._keep_leftovers()
@@ -81,6 +84,7 @@ class Capture:
         out_fd, err_fd = self._pipes
         self.tail = ""
         """Where the keeper leaves this rank's last output if it dies; '' without a keeper."""
+        self._keeper: subprocess.Popen[bytes] | None = None
         try:
             path = str(tail_path(os.getpid()))  # refused where the folder is not ours
             argv = [sys.executable, "-m", "orchestrator_workers.tail", path]
@@ -113,7 +117,7 @@ class Capture:
         real_exit = os._exit
         owner = os.getpid()
 
-        def _exit(status: int) -> None:
+        def _exit(status: int) -> NoReturn:
             if os.getpid() == owner:
                 with contextlib.suppress(Exception):
                     self.sync()

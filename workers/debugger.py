@@ -126,13 +126,13 @@ class _Greeter:
             self._drop(conn)
         deadlines = [deadline for deadline, _ in self._greeting.values()]
         for key, _ in self._selector.select(max(min(deadlines, default=now + 60) - now, 0)):
-            conn = key.fileobj
-            if conn is self._listener:
+            ready = key.fileobj
+            if ready is self._listener:
                 self._accept()
-            elif isinstance(conn, socket.socket) and conn in self._greeting:
-                found = self._read(conn)
+            elif isinstance(ready, socket.socket) and ready in self._greeting:
+                found = self._read(ready)
                 if found is not None:
-                    return conn, found
+                    return ready, found
         return None
 
     def _accept(self) -> None:

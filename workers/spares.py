@@ -81,7 +81,7 @@ class Spare(RankActor):
                 os._exit(0)
 
 
-_RemoteSpare = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Spare)
+_RemoteSpare = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Spare)  # type: ignore[call-overload]  # Ray's stubs omit this documented option
 
 
 @dataclass(frozen=True)
