@@ -11,8 +11,8 @@ import textwrap
 import threading
 from pathlib import Path
 
-from orchestrator import cluster, launch, local, lookup, torchrun
-from orchestrator.errors import OrchestratorError
+from orchestrator import cluster, launch, local, lookup, torchrun, upload
+from orchestrator.errors import LaunchError, OrchestratorError
 from orchestrator_workers import debugger, private
 
 
@@ -88,7 +88,7 @@ legacy torch.distributed.launch scripts:
 
 def _size(text: str) -> int:
     try:
-        return launch.parse_size(text)
+        return upload.parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -108,12 +108,12 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         epilog=RUN_EXAMPLE
         % {
             "excludes": textwrap.fill(
-                ", ".join(launch.DEFAULT_EXCLUDES),
+                ", ".join(upload.DEFAULT_EXCLUDES),
                 width=84,
                 initial_indent="  ",
                 subsequent_indent="  ",
             ),
-            "limit": launch.format_size(launch.DEFAULT_MAX_UPLOAD),
+            "limit": upload.format_size(upload.DEFAULT_MAX_UPLOAD),
         },
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [options] (SCRIPT | -m MODULE) [script args ...]",
@@ -194,10 +194,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run_cmd.add_argument(
         "--max-upload",
         type=_size,
-        default=launch.DEFAULT_MAX_UPLOAD,
+        default=upload.DEFAULT_MAX_UPLOAD,
         metavar="SIZE",
         help="largest working dir to ship, e.g. 500M or 2G "
-        f"(default: {launch.format_size(launch.DEFAULT_MAX_UPLOAD)})",
+        f"(default: {upload.format_size(upload.DEFAULT_MAX_UPLOAD)})",
     )
     run_cmd.add_argument(
         "--no-upload",
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         return commands_of[args.command]()
     except OrchestratorError as exc:
         print(f"orchestrator {args.command}: {exc}", file=sys.stderr)
-        return launch.EXIT_USAGE if isinstance(exc, ValueError | launch.LaunchError) else 1
+        return launch.EXIT_USAGE if isinstance(exc, ValueError | LaunchError) else 1
     except (ConnectionError, private.UnsafeFolderError) as exc:  # Ray unreachable; a folder
         print(f"orchestrator {args.command}: {exc}", file=sys.stderr)
         return 1

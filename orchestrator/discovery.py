@@ -166,6 +166,11 @@ def _read_address(path: Path) -> str | None:
     return address if address.rpartition(":")[2].isdigit() else None
 
 
+def cluster_address(address: str | None) -> str | None:
+    """The cluster to join: `address`, RAY_ADDRESS, a live Ray of this user's here; or None."""
+    return address or os.environ.get("RAY_ADDRESS") or local_cluster()[0]
+
+
 def is_this_machine(host: str) -> bool:
     """Whether `host` is an address of this machine (one a socket here can bind)."""
     try:

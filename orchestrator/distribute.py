@@ -13,12 +13,11 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 from typing_extensions import Unpack
 
-from orchestrator import call, cluster, notebook, shipping
-from orchestrator.errors import BusyError
+from orchestrator import cluster, notebook, shipping
 from orchestrator.job import Job, stop_all
 from orchestrator.logs import DEFAULT_PREFIX, read_log
 from orchestrator.options import CallOptions, Options
-from orchestrator.runner import Runner, busy_error
+from orchestrator.runner import Runner
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -68,25 +67,10 @@ class DistributedFunction(Generic[P, R]):
     def _submit(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], *, show_in_cell: bool = False
     ) -> Job[R]:
-        options, runner = self.options, self._runner
-        busy = runner.busy_with()
-        if busy is not None and not options.queue:
-            raise busy_error(self.name, busy)
-        payload = shipping.payload(self.fn, args, kwargs)
-        # Connecting, and an impossible request, are settled here, in the caller's thread.
-        plan = runner.plan()
-        # Now, before returning: the arguments' big tensors are pickled by reference, so a
-        # caller changing them after submit() must not change what the ranks get.
-        shipped = call.ship(payload)
-        job: Job[R] = Job(self.name, options.num_replicas, runner.stop)
-        if show_in_cell:
-            job.view = notebook.CellOutput(f"[{self.name}] submitted", table=job.table)
-        job.owner = self  # the pool lives while a job of it is not done
-        try:
-            runner.submit(job, shipped, options, plan)
-        except BusyError:
-            job.discard()
-            raise
+        # The pool lives while a job of it is not done: the job keeps this function alive.
+        job: Job[R] = self._runner.submit(
+            self.fn, args, kwargs, self.options, owner=self, in_cell=show_in_cell
+        )
         if job.view is not None:
             job.view.tick_while(lambda: not job.done())  # the elapsed times move on
         return job

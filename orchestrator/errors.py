@@ -2,6 +2,11 @@
 
 OrchestratorError
  ├── ConfigError (also ValueError)   a bad argument, raised before anything starts
+ │    └── LayoutError                `orchestrator run`: a rank count or layout that
+ │                                   cannot be (says what to give instead)
+ ├── LaunchError                     `orchestrator run`: a command line that cannot run
+ ├── LocalRuntimeError               `orchestrator local`: the runtime cannot be
+ │                                   started, found or stopped as asked
  ├── BusyError                       a call was submitted with queue=False while
  │                                   the function's previous call still runs
  ├── ClusterUnreachableError         no Ray cluster answers at the address given
@@ -22,6 +27,7 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 
@@ -55,6 +61,22 @@ class ConfigError(OrchestratorError, ValueError):
     """A bad argument: names the value and what would be valid."""
 
 
+class LayoutError(ConfigError):
+    """The ranks' count and layout asked for cannot be: says what to give instead."""
+
+
+class LaunchError(OrchestratorError):
+    """A command line that cannot run: says what to change."""
+
+
+class LocalRuntimeError(OrchestratorError):
+    """The local runtime cannot be started, found or stopped as asked."""
+
+
+class StopRequested(Exception):
+    """The job was cancelled while this thread waited for it (internal: never raised to users)."""
+
+
 class BusyError(OrchestratorError):
     """The function's previous call still runs and the caller asked not to queue."""
 
@@ -74,11 +96,29 @@ class PlacementTimeoutError(PlacementError, TimeoutError):
 class DistributedError(OrchestratorError):
     """A call failed: the root cause first, then every other failed rank."""
 
-    root_cause: RankFailure | None
-    """The first failure in time that is not a consequence of another (None: a timeout)."""
-    failures: list[RankFailure]
-    log_dir: Path | None
-    """The failed call's per-rank log files (rank-N.log), every rank's output."""
+    def __init__(
+        self,
+        failures: Sequence[RankFailure],
+        *,
+        log_dir: Path | None = None,
+        earlier_attempts: Sequence[BaseException] = (),
+        message: str | None = None,
+    ) -> None:
+        """The error for `failures` (any order: the root cause is found and put first)."""
+        ordered = order_failures(failures) if failures else []
+        # Not super(): a subclass mixes in the root cause's own type, whose constructor
+        # may want other arguments.
+        Exception.__init__(self, message if message is not None else describe(ordered[0]))
+        self.root_cause: RankFailure | None = ordered[0] if ordered else None
+        """The first failure in time that is not a consequence of another (None: a timeout)."""
+        self.failures: list[RankFailure] = ordered
+        self.log_dir = log_dir
+        """The failed call's per-rank log files (rank-N.log), every rank's output."""
+        self.earlier_attempts = tuple(earlier_attempts)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its fields: its constructor does not take its message back."""
+        return (_restore, (type(self), self.args, self.__dict__))
 
     def __str__(self) -> str:
         """The full report (the message is built from the failure records)."""
@@ -99,11 +139,27 @@ class DistributedError(OrchestratorError):
 class JobTimeoutError(DistributedError, TimeoutError):
     """A call ran past its `timeout`; shows where every rank was."""
 
-    timeout: float
-    stacks: dict[int, str]
-    """Per rank, the current stack of each of its threads (or why none could be had)."""
-    where: dict[int, str]
-    """Per rank, 'rank 2 (local rank 0) on IP (host H, pid P)'."""
+    def __init__(
+        self,
+        timeout: float,
+        stacks: dict[int, str],
+        where: dict[int, str],
+        *,
+        log_dir: Path | None = None,
+        earlier_attempts: Sequence[BaseException] = (),
+    ) -> None:
+        """The error for a call stopped after `timeout` seconds, with every rank's stacks."""
+        super().__init__(
+            [],
+            log_dir=log_dir,
+            earlier_attempts=earlier_attempts,
+            message=f"the call did not finish within {timeout:g} s",
+        )
+        self.timeout = timeout
+        self.stacks = stacks
+        """Per rank, the current stack of each of its threads (or why none could be had)."""
+        self.where = where
+        """Per rank, 'rank 2 (local rank 0) on IP (host H, pid P)'."""
 
     def __str__(self) -> str:
         """Every rank's stacks, so a deadlock can be read from the error alone."""
@@ -116,6 +172,14 @@ class JobTimeoutError(DistributedError, TimeoutError):
         if self.log_dir is not None:
             lines += ["", f"Every rank's output: {self.log_dir}/rank-N.log"]
         return "\n".join(lines) + format_earlier(self.earlier_attempts)
+
+
+def _restore(cls: type[DistributedError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """An unpickled DistributedError: its fields set back, no constructor run."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 def summary(error: BaseException) -> str:
@@ -132,20 +196,6 @@ def format_earlier(earlier: Sequence[BaseException]) -> str:
         return ""
     lines = [f"  attempt {n}: {summary(e)}" for n, e in enumerate(earlier, 1)]
     return f"\n\nThe {len(earlier)} earlier attempt(s) failed too:\n" + "\n".join(lines)
-
-
-def timeout_error(
-    timeout: float, stacks: dict[int, str], where: dict[int, str], log_dir: Path | None
-) -> JobTimeoutError:
-    """A JobTimeoutError for a call stopped after `timeout` seconds."""
-    error = JobTimeoutError(f"the call did not finish within {timeout:g} s")
-    error.timeout = timeout
-    error.stacks = stacks
-    error.where = where
-    error.log_dir = log_dir
-    error.root_cause = None
-    error.failures = []
-    return error
 
 
 def is_secondary(failure: RankFailure) -> bool:
@@ -196,22 +246,17 @@ def format_report(root: RankFailure, failures: Sequence[RankFailure]) -> str:
 
 
 def distributed_error(
-    failures: Sequence[RankFailure], log_dir: Path | None = None
+    failures: Sequence[RankFailure],
+    *,
+    log_dir: Path | None = None,
+    earlier_attempts: Sequence[BaseException] = (),
 ) -> DistributedError:
     """A DistributedError for `failures`, also an instance of the root cause's type."""
-    ordered = order_failures(failures)
-    root = ordered[0]
-    cls = _error_class(_load_exception(root))
+    cls = _error_class(_load_exception(order_failures(failures)[0]))
     try:
-        error = cls.__new__(cls)
-        Exception.__init__(error, describe(root))
-    except Exception:  # noqa: BLE001 - a type with an unusual constructor: plain error
-        error = DistributedError.__new__(DistributedError)
-        Exception.__init__(error, describe(root))
-    error.root_cause = root
-    error.failures = ordered
-    error.log_dir = log_dir
-    return error
+        return cls(failures, log_dir=log_dir, earlier_attempts=earlier_attempts)
+    except Exception:  # noqa: BLE001 - a type with an unusual __new__: a plain error
+        return DistributedError(failures, log_dir=log_dir, earlier_attempts=earlier_attempts)
 
 
 def _load_exception(failure: RankFailure) -> BaseException | None:
@@ -236,7 +281,11 @@ def _error_class(exc: BaseException | None) -> type[DistributedError]:
             _classes[base] = type(
                 f"DistributedError[{base.__name__}]",
                 (DistributedError, base),
-                {"__module__": __name__, "__str__": DistributedError.__str__},
+                {
+                    "__module__": __name__,
+                    "__init__": DistributedError.__init__,  # not the root cause type's
+                    "__str__": DistributedError.__str__,
+                },
             )
         except TypeError:  # final or layout-conflicting types cannot be mixed in
             return DistributedError

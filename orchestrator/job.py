@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import messages
-from orchestrator.call import stacks
 from orchestrator.errors import describe, summary
 from orchestrator.logs import read_log
 from orchestrator.notebook import CellOutput, RankRow, Table
-from orchestrator_workers import debugger
+from orchestrator.states import State
+from orchestrator_workers.protocol import WAITING
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
@@ -26,10 +26,8 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 
-QUEUED, PENDING, STARTING, RUNNING = "queued", "pending", "starting", "running"
-FINISHED, FAILED, CANCELLED = "finished", "failed", "cancelled"
-STOPPED = "stopped"
-"""A rank's state when it was stopped because another rank failed or the job was cancelled."""
+QUEUED, PENDING, STARTING, RUNNING = State.QUEUED, State.PENDING, State.STARTING, State.RUNNING
+FINISHED, FAILED, CANCELLED, STOPPED = State.FINISHED, State.FAILED, State.CANCELLED, State.STOPPED
 
 
 @dataclass(frozen=True)
@@ -77,22 +75,35 @@ class Job(Future[list[R]]):
     works in asyncio (a notebook's loop too).
     """
 
-    def __init__(self, name: str, num_ranks: int, stop: Callable[[Job[R]], None]) -> None:
-        """A job named `name` of `num_ranks` ranks; `stop` kills it if it runs."""
+    def __init__(
+        self,
+        name: str,
+        num_ranks: int,
+        stop: Callable[[Job[R]], None],
+        *,
+        log_dir: Path | None = None,
+        in_cell: bool = False,
+        owner: Any = None,
+    ) -> None:
+        """A job named `name` of `num_ranks` ranks; `stop` kills it if it runs.
+
+        `log_dir`: its per-rank log folder, for every attempt; `in_cell`: shown in the
+        submitting notebook cell; `owner` is kept alive until the job is done (the
+        distributed function, and so its pool).
+        """
         super().__init__()
         self.name = name
         self.num_ranks = num_ranks
-        self.log_dir: Path | None = None
-        """The call's per-rank log folder (rank-N.log), once it started."""
+        self.log_dir = log_dir
+        """The job's per-rank log folder (rank-N.log); None for log_dir=False."""
         self.stop_requested = threading.Event()
         self.context = contextvars.copy_context()
         """The submitter's context: a notebook routes output by it to the submitting cell."""
         self.call: Call | None = None
         """The running (or last) attempt's call, once its ranks started."""
-        self.view: CellOutput | None = None
+        self.view = CellOutput(f"[{name}] submitted", table=self.table) if in_cell else None
         """In a notebook, the submitting cell's display that shows the ranks' output."""
-        self.owner: Any = None
-        """Keeps the distributed function (and its pool) alive while the job is not done."""
+        self._owner = owner
         self._stop = stop
         self._error: BaseException | None = None
         self._ran: list[float] = []
@@ -136,7 +147,7 @@ class Job(Future[list[R]]):
         pool = call.pool if call is not None else None
         ranks = []
         for rank in range(self.num_ranks):
-            state = phase
+            state: str = phase
             if call is not None and phase in (RUNNING, FINISHED, FAILED, CANCELLED):
                 state = call.rank_state(rank, stopped=phase != RUNNING)
             info = pool.infos[rank] if pool is not None and pool.infos else None
@@ -144,7 +155,7 @@ class Job(Future[list[R]]):
                 RankStatus(rank, state, info.node_ip if info else None, info.pid if info else None)
             )
         waiting = self._waiting_for if phase == PENDING else None
-        stopped = [r.rank for r in ranks if r.state == debugger.WAITING]
+        stopped = [r.rank for r in ranks if r.state == WAITING]
         if stopped and phase == RUNNING:
             which = f"rank {stopped[0]} waits" if len(stopped) == 1 else f"ranks {stopped} wait"
             waiting = f"{which} for a debugger (the attach command is in the output)"
@@ -163,7 +174,7 @@ class Job(Future[list[R]]):
     def stacks(self) -> dict[int, str]:
         """Each rank's current stacks, by rank, while the job runs ({} otherwise)."""
         call = self.call
-        return stacks(call.pool) if call is not None and self.running() else {}
+        return call.stacks() if call is not None and self.running() else {}
 
     def table(self) -> Table:
         """The ranks as a table (rank, node, state, elapsed, restarts, last output); when
@@ -206,7 +217,12 @@ class Job(Future[list[R]]):
 
     # The runner's side.
 
-    def set_phase(self, phase: str, waiting_for: str | None = None) -> None:
+    def attempt(self, call: Call) -> None:
+        """Record that an attempt's ranks run `call` now."""
+        self.call = call
+        self.set_phase(RUNNING)
+
+    def set_phase(self, phase: State, waiting_for: str | None = None) -> None:
         """Record the job's progress: pending (with what it waits for), starting, running."""
         self._waiting_for = waiting_for
         if phase == RUNNING and not self._ran:
@@ -255,7 +271,7 @@ class Job(Future[list[R]]):
         if len(self._ran) == 1:
             self._ran.append(time.monotonic())  # its elapsed time stops here
         _live.discard(self)
-        self.owner = None
+        self._owner = None
 
     def _show(self, ended: str) -> None:
         if self.view is not None:

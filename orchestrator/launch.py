@@ -5,45 +5,28 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import re
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
-from orchestrator import _ray_compat, cluster, discovery, messages, placement, torchrun
+from orchestrator import (
+    _ray_compat,
+    cluster,
+    discovery,
+    messages,
+    placement,
+    probe,
+    torchrun,
+    upload,
+)
 from orchestrator.distribute import distribute
-from orchestrator.errors import DistributedError, JobTimeoutError, OrchestratorError
+from orchestrator.errors import DistributedError, JobTimeoutError, LaunchError
 from orchestrator.options import clean_name
 from orchestrator_workers.script import Script, ScriptExit, run_script
-
-DEFAULT_EXCLUDES = (
-    ".git",
-    ".hg",
-    ".venv",
-    "venv",
-    "__pycache__",
-    "*.pyc",
-    ".mypy_cache",
-    ".pytest_cache",
-    ".ruff_cache",
-    ".ipynb_checkpoints",
-    "node_modules",
-    "wandb",
-    "mlruns",
-    "lightning_logs",
-    "checkpoints",
-    "*.pt",
-    "*.pth",
-    "*.ckpt",
-    "*.safetensors",
-)
-"""Never shipped unless --no-default-excludes: environments, caches, checkpoints, run logs."""
-DEFAULT_MAX_UPLOAD = 100 * 1024**2
-"""Largest working dir shipped without --max-upload (Ray's own hard limit is 512 MiB)."""
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -51,13 +34,6 @@ EXIT_TIMEOUT = 124
 """As timeout(1) exits when its command ran too long."""
 EXIT_INTERRUPTED = 130
 """128 + SIGINT, as a shell reports a command stopped with Ctrl-C."""
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
-class LaunchError(OrchestratorError):
-    """A command line that cannot run: says what to change."""
-
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -90,97 +66,19 @@ class RunOptions:
     excludes: tuple[str, ...] = ()
     """Extra gitignore-style patterns left out of the upload."""
     default_excludes: bool = True
-    max_upload: int = DEFAULT_MAX_UPLOAD
+    max_upload: int = upload.DEFAULT_MAX_UPLOAD
     upload: bool = True
     """False: every node sees `working_dir` at the same path; ship nothing."""
     local_rank_arg: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Measurement:
-    """What a working dir upload would hold, after excludes."""
-
-    total: int
-    files: int
-    entries: list[tuple[str, int]]
-    """Top-level files and folders with their sizes, biggest first."""
-
-
-def parse_size(text: str) -> int:
-    """Bytes in '500M', '2G', '1.5GB', '800MiB' or a plain number of bytes (powers of 1024)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise ValueError(f"{text!r} is not a size; e.g. 500M, 2G, 1.5GB or 1048576")
-    power = " KMGT".index((match[2] or " ").upper())
-    return int(float(match[1]) * 1024**power)
-
-
-def format_size(size: float) -> str:
-    """'1.5 GB', '12 MB', '640 B' (powers of 1024)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024:
-            return (
-                f"{size:.0f} {unit}"
-                if unit == "B"
-                else f"{size:.1f}".removesuffix(".0") + f" {unit}"
-            )
-        size /= 1024
-    return f"{size:.1f} TB"
-
-
 def upload_excludes(options: RunOptions) -> list[str]:
     """The patterns left out of the upload: the defaults, Ray's own, then the user's."""
-    defaults = list(DEFAULT_EXCLUDES) if options.default_excludes else []
+    defaults = list(upload.DEFAULT_EXCLUDES) if options.default_excludes else []
     # Ray adds its defaults (.git, .venv, venv, __pycache__) when it packages; they are
     # in the list measured here too, so the measured size is the uploaded one.
     return [*defaults, *_ray_compat.upload_default_excludes(), *options.excludes]
-
-
-def measure(root: Path, excludes: Sequence[str]) -> Measurement | None:
-    """The size of `root` as Ray would package it: after `excludes`, .gitignore, .rayignore.
-
-    None where Ray's packaging cannot be asked (then Ray's own limit applies).
-    """
-    root = root.absolute()
-    sizes: dict[str, int] = {}
-    files = 0
-
-    def count(path: Path) -> None:
-        nonlocal files
-        if path.is_file():
-            top = path.relative_to(root).parts[0]
-            label = top + "/" if (root / top).is_dir() else top
-            sizes[label] = sizes.get(label, 0) + path.stat().st_size
-            files += 1
-
-    if not _ray_compat.walk_upload(root, list(excludes), count):
-        return None
-    entries = sorted(sizes.items(), key=lambda item: -item[1])
-    return Measurement(sum(sizes.values()), files, entries)
-
-
-def check_upload(root: Path, excludes: Sequence[str], limit: int) -> Measurement | None:
-    """Measure `root`; raise LaunchError naming the biggest entries if it exceeds `limit`.
-
-    None where it cannot be measured (Ray's own limit then applies).
-    """
-    measured = measure(root, excludes)
-    if measured is None or measured.total <= limit:
-        return measured
-    biggest = measured.entries[:5]
-    lines = [
-        f"the working dir {root} holds {format_size(measured.total)} in {measured.files} "
-        f"files after excludes, more than the {format_size(limit)} limit for shipping it "
-        "to every node. Biggest entries:",
-        *(f"  {format_size(size):>10}  {name}" for name, size in biggest),
-        "Leave them out with --exclude (gitignore patterns, repeatable), e.g. "
-        f"--exclude {biggest[0][0].rstrip('/')}; or list them in .gitignore or .rayignore;",
-        f"or raise the limit, e.g. --max-upload {_round_up(measured.total)}; or pass "
-        "--no-upload when every node sees this folder at the same path (a shared "
-        "filesystem).",
-    ]
-    raise LaunchError("\n".join(lines))
 
 
 def script_for(options: RunOptions, *, shipped: bool) -> tuple[Script, Path]:
@@ -294,11 +192,6 @@ def _layout(options: RunOptions, *, one_machine: bool) -> torchrun.Layout:
     return torchrun.layout(options.nproc, options.per_node, nnodes, per)
 
 
-def cluster_address(address: str | None) -> str | None:
-    """The cluster to join: `address`, RAY_ADDRESS, a live `ray start` here; None for none."""
-    return address or os.environ.get("RAY_ADDRESS") or discovery.local_cluster()[0]
-
-
 def _only_this_machine(target: str) -> bool:
     """Whether the cluster at `target` is one node on this machine (started here)."""
     if target != discovery.local_cluster()[0]:
@@ -320,7 +213,7 @@ def run(options: RunOptions) -> int:
             f"{', '.join(options.unneeded)}: not needed here (rank 0's address and a free "
             "port are found for every call; one command launches every node); ignored"
         )
-    target = None if options.standalone else cluster_address(options.address)
+    target = None if options.standalone else discovery.cluster_address(options.address)
     if options.standalone:
         _say_standalone()
     # The embedded instance, and a one-node `ray start` or local runtime here, run on this
@@ -393,11 +286,13 @@ def _join_and_ship(address: str, root: Path, options: RunOptions) -> None:
     """Join the cluster with `root` as the job's runtime_env, after the size guard."""
     # The list holds Ray's own default excludes: what is measured is what Ray uploads.
     excludes = upload_excludes(options)
-    measured = check_upload(root, excludes, options.max_upload)
-    size = f"{measured.files} files, {format_size(measured.total)}" if measured else "size unknown"
+    measured = upload.check_upload(root, excludes, options.max_upload)
+    size = "size unknown"
+    if measured is not None:
+        size = f"{measured.files} files, {upload.format_size(measured.total)}"
     why = "" if root == Path.cwd().resolve() else " (the script's folder: it is outside this one)"
     messages.say(f"shipping {root}{why} to the cluster at {address}: {size}")
-    cluster.check_reachable(address, "address")
+    probe.check_reachable(address, "address")
     # Per-actor runtime_envs take URIs only; the job's own takes a local folder and
     # uploads it once (content-addressed: an unchanged folder is not sent again).
     ray.init(
@@ -424,9 +319,3 @@ def _exit_status(err: DistributedError) -> int:
         return EXIT_FAILED
     status = exc.status if isinstance(exc, ScriptExit) else EXIT_FAILED
     return status if 0 < status < 256 else EXIT_FAILED
-
-
-def _round_up(size: int) -> str:
-    gib = size / 1024**3
-    return f"{int(gib) + 1}G" if gib >= 1 else f"{int(size / 1024**2) + 1}M"
-

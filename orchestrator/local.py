@@ -23,8 +23,8 @@ from typing import Any
 
 import ray
 
-from orchestrator import _ray_compat, cluster, discovery, messages
-from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator import _ray_compat, cluster, discovery, messages, tokens
+from orchestrator.errors import ConfigError, LocalRuntimeError
 from orchestrator_workers import private
 from orchestrator_workers.spares import (
     BROKER_NAME,
@@ -38,10 +38,6 @@ from orchestrator_workers.spares import (
 
 _START_TIMEOUT_S = 120.0
 _said = threading.Event()
-
-
-class LocalRuntimeError(OrchestratorError):
-    """The local runtime cannot be started, found or stopped as asked."""
 
 
 def broker() -> Any | None:
@@ -120,7 +116,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         )
     auth = os.environ.get("RAY_AUTH_MODE", "token")  # on unless the user turned it off
     if auth == "token":
-        cluster.ensure_token(LocalRuntimeError)
+        tokens.ensure_token(LocalRuntimeError)
     log = _log_path(port)
     temp_dir = _runtime_temp_dir(port)
     command = [

@@ -16,8 +16,7 @@ from typing import TextIO
 
 from orchestrator import messages
 from orchestrator_workers import private
-from orchestrator_workers.capture import RAY_MARKERS
-from orchestrator_workers.protocol import OutputChunk
+from orchestrator_workers.protocol import RAY_MARKERS, OutputChunk
 
 PARTIAL_DELAY_S = 0.2
 """A line without its newline yet is shown after this long (a prompt, a progress bar)."""
@@ -65,8 +64,7 @@ class Console:
         self.name = name
         self.prefix = prefix
         self.show = None if show is None else frozenset(show)
-        self.printed = [0] * num_ranks
-        """Per rank, the seq of the last chunk taken in."""
+        self.num_ranks = num_ranks
         self.last_lines = [""] * num_ranks
         """Per rank, the last line it wrote (shown or not)."""
         self.last_output = time.monotonic()
@@ -99,7 +97,6 @@ class Console:
             state.pending = rest[rest.rfind("\r", 0, len(rest.rstrip("\r"))) + 1 :]
             if state.pending and state.due is None:
                 state.due = now + PARTIAL_DELAY_S
-            self.printed[rank] = max(self.printed[rank], chunk.seq)
 
     def tick(self, now: float | None = None) -> float | None:
         """Show partial lines that are due; return when the next one will be."""
@@ -131,7 +128,7 @@ class Console:
         """Write `line` into every rank's log file (e.g. where a restarted attempt begins)."""
         if self.log_dir is None:
             return
-        for rank in range(len(self.printed)):
+        for rank in range(self.num_ranks):
             self._file(rank).write(f"{line}\n")
 
     def flush_files(self) -> None:

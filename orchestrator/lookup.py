@@ -7,10 +7,12 @@ import os
 
 import ray
 
-from orchestrator import cluster, local, messages
-from orchestrator.call import rank_stacks
-from orchestrator.launch import LaunchError, cluster_address, format_size
+from orchestrator import cluster, local, messages, probe, tokens
+from orchestrator.channel import rank_stacks
+from orchestrator.discovery import cluster_address
+from orchestrator.errors import LaunchError
 from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
+from orchestrator.upload import format_size
 
 
 def connect_existing(address: str | None) -> None:
@@ -27,8 +29,8 @@ def connect_existing(address: str | None) -> None:
         )
     given_as = "--address" if address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else ""
     if given_as:
-        cluster.check_reachable(target, given_as)
-    cluster.local_token(target)
+        probe.check_reachable(target, given_as)
+    tokens.local_token(target)
     ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
 
 

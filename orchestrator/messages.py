@@ -1,11 +1,13 @@
 """The driver's own messages (not the ranks' output), through `logging.getLogger("orchestrator")`.
 
-They are shown on stderr by default, worded "[orchestrator] ..." or "[JOB] ...". A user
-silences them with standard logging (`logging.getLogger("orchestrator").setLevel(
-logging.ERROR)`) or sends them elsewhere (replace the logger's handlers, or set
-`propagate = True` and remove ours to use the root logger's). The default handler
-writes to whatever `sys.stderr` is when a message is emitted, so in a notebook a
-message lands in the cell that caused it, and a redirected stderr gets it.
+Worded "[orchestrator] ..." or "[JOB] ...". This library adds no handler: at each message
+it looks whether the application has set up logging (a handler on the way from our
+logger to the root, as `logging.basicConfig` or pytest add). If it has, the message goes
+through logging, and the application's handlers, levels and format decide. If not, it is
+printed to whatever `sys.stderr` is at that moment (a notebook cell's, a redirect), as
+`logging.lastResort` does for warnings. Our logger's level is INFO unless the
+application sets another: `logging.getLogger("orchestrator").setLevel(logging.ERROR)`
+silences them either way.
 """
 
 from __future__ import annotations
@@ -14,31 +16,43 @@ import logging
 import sys
 
 logger = logging.getLogger("orchestrator")
+if logger.level == logging.NOTSET:
+    logger.setLevel(logging.INFO)  # shown by default; the application may set another
 
-
-IN_PLACE = "orchestrator_in_place"
-"""A record with this attribute true is drawn over the last one so drawn (a status line)."""
 _drawn = False
 """Whether a line drawn in place is on the terminal now."""
 
 
-class _CurrentStderr(logging.Handler):
-    """Writes each record to the sys.stderr of the moment (a notebook cell's, a redirect)."""
+def configured(log: logging.Logger = logger) -> bool:
+    """Whether the application handles `log`'s records: a handler on the way to the root."""
+    node: logging.Logger | None = log
+    while node is not None:
+        if node.handlers:
+            return True
+        if not node.propagate:
+            return False
+        node = node.parent
+    return False
 
-    def emit(self, record: logging.LogRecord) -> None:
-        """Print the formatted record and flush; an IN_PLACE one without its newline."""
-        global _drawn  # noqa: PLW0603 - one terminal line per process
-        try:
-            text = self.format(record)
-            if getattr(record, IN_PLACE, False):
-                sys.stderr.write(f"\r\x1b[K{text}")
-                sys.stderr.flush()
-                _drawn = True
-                return
-            clear_in_place()
-            print(text, file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001 - logging's own policy for a failing handler
-            self.handleError(record)
+
+def emit(log: logging.Logger, level: int, text: str, *, in_place: bool = False) -> None:
+    """`text` through `log` where the application handles it, else on the current stderr.
+
+    `in_place`: drawn over the last line so drawn (a status line), on our stderr only.
+    """
+    global _drawn  # noqa: PLW0603 - one terminal line per process
+    if configured(log):
+        log.log(level, "%s", text)
+        return
+    if not log.isEnabledFor(level):
+        return
+    if in_place:
+        sys.stderr.write(f"\r\x1b[K{text}")
+        sys.stderr.flush()
+        _drawn = True
+        return
+    clear_in_place()
+    print(text, file=sys.stderr, flush=True)
 
 
 def clear_in_place() -> None:
@@ -50,23 +64,9 @@ def clear_in_place() -> None:
         sys.stderr.flush()
 
 
-def _install() -> None:
-    if any(isinstance(handler, _CurrentStderr) for handler in logger.handlers):
-        return
-    handler = _CurrentStderr()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-    logger.propagate = False  # shown once, by the handler above, unless the user says so
-
-
-_install()
-
-
 def say(message: str, *, job: str | None = None, level: int = logging.INFO) -> None:
     """Tell the user `message`, as "[orchestrator] ..." or, about one job, "[JOB] ..."."""
-    logger.log(level, "[%s] %s", job or "orchestrator", message)
+    emit(logger, level, f"[{job or 'orchestrator'}] {message}")
 
 
 def warn(message: str, *, job: str | None = None) -> None:

@@ -15,9 +15,11 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import cluster, local, messages, placement
-from orchestrator.errors import PlacementTimeoutError
+from orchestrator import cluster, local, messages, notices, placement
+from orchestrator.channel import RankChannel, rank_stacks
+from orchestrator.errors import PlacementTimeoutError, StopRequested
 from orchestrator.placement import Request
+from orchestrator.states import State
 from orchestrator_workers import environment
 from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
 from orchestrator_workers.environment import order_devices
@@ -30,10 +32,6 @@ _RECHECK_S = 2.0
 """While waiting for placement, how often to check that the live nodes can still hold it."""
 _POLL_S = 0.2
 """How often a wait for placement or for actors checks for a stop request."""
-
-
-class StopRequested(Exception):
-    """The job was cancelled while this thread waited for it."""
 
 
 ACTOR_NAMESPACE = "orchestrator"
@@ -71,7 +69,7 @@ class Pool:
         post_mortem: bool = False,
         placement_timeout: float | None = None,
         stop: threading.Event | None = None,
-        on_phase: Callable[[str, str | None], None] | None = None,
+        on_phase: Callable[[State, str | None], None] | None = None,
     ) -> None:
         """Reserve one bundle per node, start one actor per rank and learn where they are.
 
@@ -82,6 +80,8 @@ class Pool:
         self.name = name
         self.request = request
         self.actors: list[Any] = []
+        self.channels: list[RankChannel] = []
+        """Per rank, its output as the driver takes it in, for as long as its actor lives."""
         self.infos: list[NodeInfo] = []
         self.specs: list[RankSpec] = []
         """Each rank's place in the job; a call adds its own half (port, attempt, ...)."""
@@ -115,7 +115,7 @@ class Pool:
             waited = time.monotonic() - started
             free = placement.format_resources(ray.available_resources())
             waiting_for = f"waiting for {self.request.describe()}; free now: {{{free}}}"
-            self._on_phase("pending", waiting_for)
+            self._on_phase(State.PENDING, waiting_for)
             if timeout is not None and waited >= timeout:
                 raise PlacementTimeoutError(
                     f"{self.name} could not be placed within placement_timeout={timeout:g} s: "
@@ -130,7 +130,7 @@ class Pool:
                 checked = waited
                 live = [(node.ip, node.resources) for node in cluster.nodes()]
                 placement.check_feasible(self.request, live, one_node=self._simulated)
-        self._on_phase("starting", None)
+        self._on_phase(State.STARTING, None)
 
     def _wait(self, refs: list[ray.ObjectRef]) -> bool:
         """Wait a moment for all `refs`; True when ready. Raises StopRequested if asked."""
@@ -167,6 +167,7 @@ class Pool:
             for actor, _ in spares.values():  # claimed, perhaps not in self.actors yet
                 ray.kill(actor, no_restart=True)
             raise
+        self.channels = [RankChannel(actor) for actor in self.actors]
         self.infos = self._infos(range(len(self.actors)))
         _note_niceness(self.name, self.infos)
         self.store_port = self._open_store()
@@ -201,7 +202,7 @@ class Pool:
 
     def _infos(self, ranks: Iterable[int]) -> list[NodeInfo]:
         infos: list[NodeInfo] = self._get([self.actors[rank].info.remote() for rank in ranks])
-        cluster.quiet_crash_notices([info.pid for info in infos])
+        notices.quiet_crash_notices([info.pid for info in infos])
         return infos
 
     def _open_store(self) -> int:
@@ -220,6 +221,7 @@ class Pool:
         for rank in ranks:
             ray.kill(self.actors[rank], no_restart=True)
             self.actors[rank] = self._new_actor(rank, attempt)
+            self.channels[rank] = RankChannel(self.actors[rank])  # its numbering starts anew
         for rank, info in zip(sorted(ranks), self._infos(sorted(ranks)), strict=True):
             self.infos[rank] = info
         self.store_port = self._open_store()  # the failed call's store holds stale keys
@@ -245,6 +247,10 @@ class Pool:
         if port is not None:
             self.actors[0].close_store.remote(self.store_port)
             self.store_port = port
+
+    def stacks(self) -> dict[int, str]:
+        """Each rank's current stacks, asked of all ranks at once; never blocks for long."""
+        return rank_stacks(dict(enumerate(self.actors)))
 
     def pids(self) -> list[int]:
         """Process ids of the ranks' actors, by rank."""

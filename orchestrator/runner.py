@@ -12,23 +12,26 @@ import contextlib
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
-from orchestrator import call, cluster, logs, messages, placement
+from orchestrator import call, cluster, logs, messages, placement, shipping
 from orchestrator.errors import (
     CRASH,
     BusyError,
     DistributedError,
     JobTimeoutError,
     OrchestratorError,
+    StopRequested,
 )
-from orchestrator.job import PENDING, RUNNING, Job
-from orchestrator.logs import Console
+from orchestrator.job import Job
 from orchestrator.options import Options
-from orchestrator.pool import Pool, StopRequested
+from orchestrator.pool import Pool
+from orchestrator.shipping import Shipment
+from orchestrator.states import State
 from orchestrator_workers import environment
 
 Plan = tuple[placement.Request, bool]
@@ -67,10 +70,8 @@ class Runner:
         self._box = _PoolBox()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._queue: deque[tuple[Job[Any], call.Shipment, Options, Plan | None]] = deque()
+        self._queue: deque[tuple[Job[Any], Shipment, Options, Plan | None]] = deque()
         self._thread: threading.Thread | None = None
-        self._left = call.Leftover()
-        """What the last call on the pool left the next: output requests, output shown."""
         self.current: Job[Any] | None = None
         """The job running now, if any."""
         self.last: Job[Any] | None = None
@@ -83,10 +84,6 @@ class Runner:
         """The warm pool, if one is running."""
         return self._box.pool
 
-    def plan(self) -> Plan | None:
-        """Connect and lay out the pool if none runs; raise at once if it can never fit."""
-        return None if self.pool is not None else _plan(self.options)
-
     def busy_with(self) -> Job[Any] | None:
         """The job that runs or waits on this function now, if any."""
         waiting = [job for job, *_ in self._queue if not job.done()]
@@ -94,13 +91,38 @@ class Runner:
         return current or (waiting[0] if waiting else None)
 
     def submit(
-        self, job: Job[Any], shipped: call.Shipment, options: Options, plan: Plan | None
-    ) -> None:
-        """Queue `job` to run `shipped` with these per-call `options` when its turn comes."""
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: Options,
+        *,
+        owner: Any = None,
+        in_cell: bool = False,
+    ) -> Job[Any]:
+        """Queue `fn(*args, **kwargs)` with these per-call `options`; its Job, at once.
+
+        In the caller's thread: BusyError (queue=False), pickling, connecting and an
+        impossible request fail here, before anything is queued.
+        """
+        self._refuse_if_busy(options)  # before the payload is pickled, too
+        payload = shipping.payload(fn, args, kwargs)
+        plan = None if self.pool is not None else _plan(options)
+        # Now, before returning: the arguments' big tensors are pickled by reference, so a
+        # caller changing them after submit() must not change what the ranks get.
+        shipped = shipping.ship(payload)
+        folder = options.log_folder
+        log_dir = logs.call_folder(folder, self.name) if folder is not None else None
+        job: Job[Any] = Job(
+            self.name, options.num_replicas, self.stop, log_dir=log_dir, in_cell=in_cell,
+            owner=owner,
+        )
         with self._lock:
-            busy = self.busy_with()
-            if busy is not None and not options.queue:
-                raise busy_error(job.name, busy)
+            try:
+                self._refuse_if_busy(options)  # under the lock: another thread may have won
+            except BusyError:
+                job.discard()
+                raise
             self._queue.append((job, shipped, options, plan))
             self.last = job
             self._wakeup.notify()
@@ -109,6 +131,15 @@ class Runner:
                     target=self._work, name=f"orchestrator-{job.name}", daemon=True
                 )
                 self._thread.start()
+        return job
+
+    def _refuse_if_busy(self, options: Options) -> None:
+        busy = self.busy_with()
+        if busy is not None and not options.queue:
+            raise BusyError(
+                f"{self.name} is still running an earlier call ({busy!r}); wait for it "
+                "(job.result()), cancel it, or submit with queue=True to run after it"
+            )
 
     def stop(self, job: Job[Any]) -> None:
         """Withdraw a queued `job`, or kill its ranks if it runs (a waiting one sees its flag)."""
@@ -133,7 +164,6 @@ class Runner:
 
     def release(self) -> None:
         """Stop the warm pool's actors and give back its resources."""
-        self._left = call.Leftover()
         self._box.release()
 
     def shutdown(self) -> None:
@@ -165,7 +195,7 @@ class Runner:
                     self.current = None
 
     def _execute(
-        self, job: Job[Any], shipped: call.Shipment, options: Options, plan: Plan | None
+        self, job: Job[Any], shipped: Shipment, options: Options, plan: Plan | None
     ) -> None:
         """Run `job`: start the pool if needed, call, restart as allowed, settle the job.
 
@@ -174,24 +204,21 @@ class Runner:
         earlier: list[BaseException] = []
         while not job.stop_requested.is_set():
             try:
-                value = self._attempt(job, shipped, options, plan, len(earlier))
+                value = self._attempt(job, shipped, options, plan, earlier)
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
-                failed = job.call
                 if isinstance(exc, StopRequested) or job.stop_requested.is_set():
                     self.release()
-                    _forget_buffers(failed)
                     return
                 if _restartable(exc, options, len(earlier)):
                     earlier.append(exc)
                     job.restarted(exc)
-                    if not self._repair(failed, len(earlier), exc):
+                    if not self._repair(job.call, len(earlier), exc):
                         plan = None  # a whole new pool, laid out on the nodes alive now
-                    _forget_buffers(failed)
                     continue
                 # Ranks may be stuck in a collective: replace the whole pool next time.
                 self.release()
-                _forget_buffers(failed)
-                if earlier and isinstance(exc, OrchestratorError):
+                if earlier and isinstance(exc, OrchestratorError) and not exc.earlier_attempts:
+                    # Not from a call (which names them itself): the pool's start failed.
                     exc.earlier_attempts = tuple(earlier)
                 job.finish(error=exc)
                 return
@@ -199,19 +226,11 @@ class Runner:
             return
 
     def _repair(self, failed: call.Call | None, attempt: int, error: BaseException) -> bool:
-        """Replace only the failed call's broken ranks; False: the whole pool was released.
-
-        Healthy ranks (finished, or failed only because a peer did) keep their warm
-        processes, so a restart costs one actor start, not a whole pool's.
-        """
-        pool = self.pool
+        """Replace only the failed call's broken ranks; False: the whole pool was released."""
         with contextlib.suppress(Exception):  # anything amiss (a stop too): a whole new pool
-            if pool is not None and failed is not None and failed.pool is pool:
-                if not isinstance(error, JobTimeoutError):  # else they are all stuck
-                    failed.settle(_SETTLE_S)  # a peer's death reaches gloo ranks in moments
-                broken = failed.broken_ranks()
-                if len(broken) < len(pool.actors) and pool.replace(broken, attempt):
-                    self._left = failed.leftover(replaced=broken)
+            if failed is not None and failed.pool is self.pool:
+                settle_s = 0.0 if isinstance(error, JobTimeoutError) else _SETTLE_S
+                if failed.repair(attempt, settle_s=settle_s):
                     return True
         self.release()
         return False
@@ -219,54 +238,36 @@ class Runner:
     def _attempt(
         self,
         job: Job[Any],
-        shipped: call.Shipment,
+        shipped: Shipment,
         options: Options,
         plan: Plan | None,
-        restart_count: int,
+        earlier: list[BaseException],
     ) -> list[Any]:
         if self.pool is None:
             self._box.pool = self._start(job, plan or _plan(options))
         pool = self.pool
         assert pool is not None
-        folder = options.log_folder
-        if folder is not None and job.log_dir is None:
-            job.log_dir = logs.call_folder(folder, self.name)
-        console = Console(
-            self.name,
-            options.num_replicas,
-            prefix=options.log_prefix,
-            show=options.log_ranks,
-            log_dir=job.log_dir,
-            sink=job.view.write if job.view is not None else None,
-        )
-        if restart_count:
-            console.mark_files(f"--- attempt {restart_count + 1} (restart {restart_count}) ---")
-        try:
-            job.call = call.Call(
+        job.attempt(
+            call.Call(
                 pool,
                 shipped,
-                console,
-                timeout=options.timeout,
+                options,
+                log_dir=job.log_dir,
+                sink=job.view.write if job.view is not None else None,
                 stop=job.stop_requested,
-                restart_count=restart_count,
-                max_restarts=options.max_restarts,
-                before=self._left,
+                restart_count=len(earlier),
+                earlier=earlier,
             )
-            self._left = call.Leftover()
-            job.set_phase(RUNNING)
-            value = job.call.wait()
-            self._left = job.call.leftover()
-            pool.use_store(job.call.next_port)
-            return value
-        finally:
-            console.close_logs()
+        )
+        assert job.call is not None
+        return job.call.wait()
 
     def _start(self, job: Job[Any], plan: Plan) -> Pool:
         request, simulate = plan
         options = self.options
 
-        def progress(phase: str, detail: str | None) -> None:
-            if phase == PENDING:
+        def progress(phase: State, detail: str | None) -> None:
+            if phase == State.PENDING:
                 _reclaim_idle(self.name)  # an idle warm pool of ours must not block a job
             job.set_phase(phase, detail)
 
@@ -285,14 +286,6 @@ class Runner:
 
 _runners: weakref.WeakSet[Runner] = weakref.WeakSet()
 """Every runner in this process, so a waiting job can reclaim idle pools."""
-
-
-def busy_error(name: str, busy: Job[Any]) -> BusyError:
-    """The error for a call submitted with queue=False while `busy` runs or waits."""
-    return BusyError(
-        f"{name} is still running an earlier call ({busy!r}); wait for it "
-        "(job.result()), cancel it, or submit with queue=True to run after it"
-    )
 
 
 def _plan(options: Options) -> Plan:
@@ -328,13 +321,6 @@ def _restartable(error: BaseException, options: Options, restarts: int) -> bool:
         return False
     root = error.root_cause
     return options.restart_on == "any" or (root is not None and root.exc_type == CRASH)
-
-
-def _forget_buffers(failed: call.Call | None) -> None:
-    """Once a failed call's ranks are stopped, remove what they may have left in /dev/shm."""
-    if failed is not None:
-        with contextlib.suppress(Exception):  # the cluster may be gone: nothing to remove
-            failed.forget_buffers()
 
 
 def _reclaim_idle(waiting: str) -> None:

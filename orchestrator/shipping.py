@@ -10,10 +10,12 @@ import sys
 import sysconfig
 import types
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import cloudpickle
+import ray
 
 from orchestrator import _ray_compat
 from orchestrator.errors import ConfigError
@@ -30,6 +32,24 @@ _registered: set[str] = set()
 _seen_modules = 0
 OUT_OF_BAND_BYTES = 1 << 20
 """Tensors and arrays this big travel out of band, one copy per node (workers/sharing.py)."""
+
+
+Shipment: TypeAlias = bytes | ray.ObjectRef
+"""A call's payload as the ranks get it: pickled inline, or one object in Ray's store."""
+_INLINE_BYTES = 64 * 1024
+"""Payloads up to this size are sent with each rank's task instead of through ray.put."""
+
+
+def ship(shipped: Payload) -> Shipment:
+    """Make a payload ready to send to any number of ranks, now (a snapshot of its buffers).
+
+    Large payloads go into the object store once, whatever the number of ranks, and each
+    rank reads the bytes in place; small ones travel inside each task (bytes: Ray passes
+    them as they are, where it would pickle a dataclass per rank).
+    """
+    if shipped.size() <= _INLINE_BYTES:
+        return pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL)
+    return ray.put(replace(shipped, call=pickle.PickleBuffer(shipped.call)))
 
 
 def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:

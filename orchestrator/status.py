@@ -1,9 +1,10 @@
 """A quiet call's status line on a terminal: `[train] 4 ranks running 0:42; last output 0:12 ago`.
 
 Shown once a call has run 10 s and its ranks have printed nothing for 10 s: redrawn in
-place (once a second) when stderr is a terminal, else printed at most once a minute. It
-goes through `logging.getLogger("orchestrator.status")`, so standard logging silences
-it, and ORCHESTRATOR_STATUS=0 turns it off.
+place (once a second) when stderr is a terminal and the application has not set up
+logging, else printed at most once a minute. It goes through
+`logging.getLogger("orchestrator.status")` (see `messages`), so standard logging
+silences it, and ORCHESTRATOR_STATUS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class StatusLine:
         due = max(self.started + QUIET_S, quiet_since + QUIET_S)
         if now < due:
             return due
-        every = REDRAW_S if self._in_place else REPEAT_S
+        # Redrawn only on a terminal of ours: an application's handler (or pytest's) would
+        # make each redraw a line of its own.
+        in_place = self._in_place and not messages.configured(logger)
+        every = REDRAW_S if in_place else REPEAT_S
         if self._shown_at is not None and now < self._shown_at + every:
             return self._shown_at + every
         self._shown_at = now
@@ -56,7 +60,7 @@ class StatusLine:
             f"{self.num_ranks} ranks running {clock(now - self.started)}; "
             f"last output {clock(now - quiet_since)} ago"
         )
-        logger.info("[%s] %s", self.name, text, extra={messages.IN_PLACE: self._in_place})
+        messages.emit(logger, logging.INFO, f"[{self.name}] {text}", in_place=in_place)
         return now + every
 
 

@@ -16,16 +16,12 @@ from typing import Any
 
 from orchestrator import placement
 from orchestrator.cluster import Node
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import LayoutError
 
 SYMBOLIC = ("gpu", "cpu", "auto")
 """--nproc-per-node words, resolved against the nodes of the cluster that runs the job."""
 UNNEEDED = ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf")
 """torchrun options that have no use here: rank 0's address and port are found, not given."""
-
-
-class LayoutError(OrchestratorError, ValueError):
-    """The ranks' count and layout asked for cannot be: says what to give instead."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

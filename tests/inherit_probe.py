@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=N tests/inherit_probe.py   (a JSON line per rank)
     python tests/inherit_probe.py N [N ...]   (through distribute(), on the embedded default)
 
-tests/test_inheritance.py compares the two; README "What a rank inherits" explains each
+tests/test_inheritance.py compares the two; docs/ranks.md "What a rank inherits" explains each
 difference it allows.
 """
 

@@ -26,7 +26,8 @@ import pytest
 
 from orchestrator import distribute
 from orchestrator.cli import main
-from orchestrator.launch import DEFAULT_EXCLUDES, LaunchError, check_upload, measure
+from orchestrator.errors import LaunchError
+from orchestrator.upload import DEFAULT_EXCLUDES, check_upload, measure
 from orchestrator_workers.script import Script, ScriptExit, run_script
 from tests.conftest import default_sigint
 from tests.test_examples import TORCHRUN, message_lines, run_example

@@ -1,5 +1,5 @@
 """What a rank's process inherits, and what it passes on to the processes it forks,
-compared with a torchrun worker's (README: "What a rank inherits")."""
+compared with a torchrun worker's (docs/ranks.md: "What a rank inherits")."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_a_rank_inherits_what_a_torchrun_worker_does(fresh_env):
                 name for name, how in worker["signals"].items() if mine["signals"][name] != how
             }
             assert differ <= set(RANK_ONLY), (differ, mine["signals"], worker["signals"])
-            assert worker["main_thread"] and not mine["main_thread"]  # README: Ray's thread
+            assert worker["main_thread"] and not mine["main_thread"]  # docs/ranks.md: Ray's thread
             # What a process forked from each gets.
             child, their_child = mine["forked"], worker["forked"]
             assert child["niceness"] == their_child["niceness"]

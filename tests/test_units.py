@@ -407,6 +407,7 @@ def test_driver_messages_go_through_logging(capsys):
     messages.warn("careful", job="train")
     assert capsys.readouterr().err == "[orchestrator] hello\n[train] careful\n"
     level = log.level
+    assert level == logging.INFO  # shown by default, whatever the root logger's level
     log.setLevel(logging.ERROR)
     try:
         messages.say("hidden")
@@ -427,6 +428,22 @@ def test_driver_messages_go_through_logging(capsys):
     finally:
         log.handlers[:] = saved
     assert caught == ["[train] elsewhere"] and capsys.readouterr().err == ""
+    # An application that set up logging owns them: its handler, its levels, shown once.
+    root = logging.getLogger()
+    keep, level = Keep(), root.level
+    root.addHandler(keep)
+    root.setLevel(logging.INFO)
+    try:
+        messages.say("through the app", job="train")
+        log.setLevel(logging.WARNING)  # the application's choice for our logger
+        messages.say("below the level it set")
+        messages.warn("a warning")
+    finally:
+        root.removeHandler(keep)
+        root.setLevel(level)
+        log.setLevel(logging.INFO)
+    assert caught[1:] == ["[train] through the app", "[orchestrator] a warning"]
+    assert capsys.readouterr().err == ""
 
 
 def test_status_line_of_a_quiet_call(capsys, monkeypatch):
@@ -455,6 +472,27 @@ def test_status_line_of_a_quiet_call(capsys, monkeypatch):
         "\r\x1b[K[train] 2 ranks running 0:12; last output 0:12 ago"
         "\r\x1b[K[train] 2 ranks running 0:13; last output 0:13 ago\r\x1b[K"
     )
+    # Under an application's handler (or pytest's), never redrawn: a new line each time
+    # would flood its log, so at most once a minute.
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    root, keep, level = logging.getLogger(), Keep(), logging.getLogger().level
+    root.addHandler(keep)
+    root.setLevel(logging.INFO)
+    try:
+        handled = status.StatusLine("train", 2, started=0.0)
+        handled._in_place = True  # a terminal, yet an application's handler
+        assert handled.tick(12.0, last_output=0.0) == 72.0
+        assert handled.tick(13.0, last_output=0.0) == 72.0
+    finally:
+        root.removeHandler(keep)
+        root.setLevel(level)
+    assert lines == ["[train] 2 ranks running 0:12; last output 0:12 ago"]
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("ORCHESTRATOR_STATUS", "0")
     assert status.StatusLine("train", 4, started=0.0).tick(500.0, last_output=0.0) is None
     monkeypatch.delenv("ORCHESTRATOR_STATUS")

@@ -14,18 +14,12 @@ import time
 from typing import NoReturn
 
 from orchestrator_workers.private import UnsafeFolderError
-from orchestrator_workers.protocol import OutputChunk
+from orchestrator_workers.protocol import EXIT_STREAM, RAY_MARKERS, STATE_STREAM, OutputChunk
 from orchestrator_workers.tail import STREAMS, frame, tail_path
 
 _READ = 1 << 16
 _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
 _BUFFER_LIMIT = 64 << 20  # undrained bytes kept; older ones are dropped with a notice
-RAY_MARKERS = (b":actor_name:", b":task_name:", b":job_id:")
-"""Lines Ray's worker writes to its stdout/stderr at each task, for its own log files."""
-EXIT_STREAM = "exit"
-"""The pseudo-stream of the chunk that carries the status a rank passed to os._exit."""
-STATE_STREAM = "state"
-"""The pseudo-stream of chunks that say what a rank waits on, e.g. a debugger ('' when nothing)."""
 _EXIT_GRACE_S = 1.0  # how long os._exit waits for the driver to take the last output
 
 

@@ -22,12 +22,11 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from orchestrator_workers import capture
+from orchestrator_workers.protocol import ATTACHED, WAITING
 
 TOKEN_VAR = "ORCHESTRATOR_DEBUG_TOKEN"  # noqa: S105 - a variable's name, not a secret
 """Where `orchestrator attach` reads the secret (not its argv: `ps` shows that to all)."""
 ATTACH_HINT = f"{TOKEN_VAR}={{token}} python -m orchestrator attach {{host}}:{{port}}"
-WAITING, ATTACHED = "waiting for a debugger", "in a debugger"
-"""A rank's states while it stops at a breakpoint (job.status() shows them)."""
 _HELLO_TIMEOUT_S = 10.0
 """How long a client may take to send its whole first line (the secret) before it is hung up on."""
 _MAX_GREETING = 64

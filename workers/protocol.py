@@ -5,6 +5,15 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
+RAY_MARKERS = (b":actor_name:", b":task_name:", b":job_id:")
+"""Lines Ray's worker writes to its stdout/stderr at each task, for its own log files."""
+EXIT_STREAM = "exit"
+"""The pseudo-stream of the chunk that carries the status a rank passed to os._exit."""
+STATE_STREAM = "state"
+"""The pseudo-stream of chunks that say what a rank waits on, e.g. a debugger ('' when nothing)."""
+WAITING, ATTACHED = "waiting for a debugger", "in a debugger"
+"""A rank's states on STATE_STREAM while it stops at a breakpoint (job.status() shows them)."""
+
 
 @dataclass(frozen=True)
 class NodeInfo:
@@ -115,9 +124,11 @@ class Payload:
 
 @dataclass(frozen=True)
 class OutputChunk:
-    """Bytes a rank wrote to one of its standard streams, numbered in arrival order."""
+    """Bytes a rank wrote to one of its standard streams, numbered in arrival order; or a
+    note from the rank on a pseudo-stream (EXIT_STREAM, STATE_STREAM), numbered alike."""
 
     seq: int
     stream: str
-    """"stdout" or "stderr"."""
+    """"stdout" or "stderr"; or EXIT_STREAM (`data`: the status given to os._exit) or
+    STATE_STREAM (`data`: what the rank waits on now, e.g. WAITING; empty: nothing)."""
     data: bytes

@@ -1,0 +1,66 @@
+"""One rank's link with the driver, as long as its actor lives: its output and its stacks.
+
+A rank numbers its output chunks across calls, and an output request may outlive the
+call that made it (it returns with what the rank prints next). So what the driver has
+taken in, and the request in flight, belong to the rank's actor, not to one call: the
+pool keeps one `RankChannel` per rank and starts a new one when it replaces the actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from orchestrator_workers.protocol import OutputChunk
+
+DRAIN_POLL_S = 30.0
+"""How long one output request waits on an idle rank before returning empty."""
+STACKS_WAIT_S = 3.0
+"""How long to wait for the ranks' stacks before reporting without them."""
+
+
+@dataclass
+class RankChannel:
+    """The driver's side of one rank actor's output: the request in flight, what was taken."""
+
+    actor: Any
+    drain: ray.ObjectRef | None = None
+    """The output request in flight, if any: it brings what the rank prints next."""
+    shown: int = 0
+    """The seq of the last chunk taken in: a call owes only newer ones."""
+
+    def request(self) -> ray.ObjectRef:
+        """The output request in flight, made now if there is none."""
+        if self.drain is None:
+            self.drain = self.actor.drain.remote(DRAIN_POLL_S)
+        return self.drain
+
+    def take(self) -> list[OutputChunk]:
+        """What the request in flight brought (it must be ready); RayActorError if the
+        rank is gone."""
+        ref, self.drain = self.drain, None
+        assert ref is not None, "take() without a request"
+        chunks: list[OutputChunk] = ray.get(ref)
+        if chunks:  # the pseudo-streams' chunks count as taken in too
+            self.shown = max(self.shown, chunks[-1].seq)
+        return chunks
+
+
+def rank_stacks(actors: Mapping[int, Any], wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
+    """The current stacks of each rank's actor, by rank, asked of all at once; within
+    `wait_s`. A rank that cannot answer says why instead."""
+    refs = {actor.stacks.remote(): rank for rank, actor in actors.items()}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+    found = {rank: f"(no answer within {wait_s:g} s)" for rank in refs.values()}
+    for ref in done:
+        try:
+            found[refs[ref]] = ray.get(ref)
+        except RayActorError:
+            found[refs[ref]] = "(its process is gone)"
+        except ray.exceptions.RayError as exc:
+            found[refs[ref]] = f"(no answer: {type(exc).__name__})"
+    return dict(sorted(found.items()))

@@ -1,0 +1,57 @@
+"""A rank whose process died: what it wrote in its last instant, and why it died."""
+
+from __future__ import annotations
+
+import re
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from orchestrator_workers.protocol import NodeInfo, OutputChunk
+from orchestrator_workers.tail import read_tail
+
+_LEFTOVER_WAIT_S = 0.5
+"""How long to wait for a dead rank's keeper process to save its unread output."""
+_remote_read_tail = ray.remote(num_cpus=0)(read_tail)
+
+
+def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
+    """What the rank at `info` wrote after chunk `shown` and before it died, as its keeper
+    saved it (read on the rank's own node); numbered on from `shown`."""
+    if not info.tail_path:
+        return []
+    if info.node_id == ray.get_runtime_context().get_node_id():
+        leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
+    else:
+        affinity = NodeAffinitySchedulingStrategy(info.node_id, soft=False)
+        ref = _remote_read_tail.options(scheduling_strategy=affinity).remote(
+            info.tail_path, _LEFTOVER_WAIT_S
+        )
+        done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
+        leftovers = ray.get(done[0]) if done else None
+    unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
+    last = max([shown, *(seq for seq, _, _ in unseen)])
+    return [OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen]
+
+
+def reason(
+    exc: RayActorError, exit_code: int | None, last_words: str, *, node_gone: bool = False
+) -> str:
+    """Why a rank's process died, as far as its exit status, last words and node tell."""
+    if exit_code is not None:
+        return f"its process called os._exit({exit_code})"
+    fatal = re.search(r"Fatal Python error: ([^\n]+)", last_words)
+    if fatal:
+        return f"its process died: {fatal.group(1).strip()} (its stack is in its last lines above)"
+    detail = re.search(r"Worker exit detail: ([^.]*)", str(exc))
+    ray_says = f"; Ray says: {detail.group(1)}" if detail else ""
+    if node_gone:
+        return (
+            "its node left the Ray cluster (Ray stopped there, or the machine was lost), "
+            f"taking the rank with it{ray_says}"
+        )
+    return (
+        "its process died without a word: killed by a signal (such as SIGKILL), "
+        f"the out-of-memory killer, or its node was lost{ray_says}"
+    )
