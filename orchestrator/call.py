@@ -8,7 +8,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from orchestrator_workers import sharing
 from orchestrator_workers.protocol import (
     EXIT_STREAM,
     STATE_STREAM,
+    CallSpec,
     RankFailure,
     RankResult,
 )
@@ -80,6 +80,7 @@ class Call:
             show=options.log_ranks,
             log_dir=log_dir,
             sink=sink,
+            fold=options.fold_output,
         )
         if restart_count:
             self.console.mark_files(
@@ -90,19 +91,17 @@ class Call:
         self.earlier = tuple(earlier)
         self.share_key = uuid.uuid4().hex[:16]
         self.share_nodes = {info.node_id for info in pool.infos}
-        specs = [
-            replace(
-                spec,
-                master_port=pool.store_port,
-                restart_count=restart_count,
-                max_restarts=options.max_restarts,
-                share_key=f"{self.share_key}-{info.node_id[:16]}",  # this call's copy per node
-            )
-            for spec, info in zip(pool.specs, pool.infos, strict=True)
-        ]
+        call = CallSpec(
+            master_port=pool.store_port,
+            restart_count=restart_count,
+            max_restarts=options.max_restarts,
+            share_key=self.share_key,
+            uses_torch=shipped.uses_torch or pool.request.gpus_per_replica > 0,
+        )
+        packed_call = pickle.dumps(call, pickle.HIGHEST_PROTOCOL)
         self.runs = {
-            actor.run.remote(pickle.dumps(spec), shipped): spec.rank
-            for actor, spec in zip(pool.actors, specs, strict=True)
+            actor.run.remote(packed, packed_call, shipped.data): rank
+            for rank, (actor, packed) in enumerate(zip(pool.actors, pool.packed_specs, strict=True))
         }
         self.dead: set[int] = set()
         self.exit_codes: dict[int, int] = {}
@@ -111,6 +110,8 @@ class Call:
         """Per rank, what it waits on beyond its work (a debugger), if anything."""
         self.next_port: int | None = None
         """The port rank 0 reserved for the next call's rendezvous store, once it returned."""
+        self.store_open = False
+        """Whether rank 0's store still serves (a rank connected to it)."""
         self.owed: dict[int, int] = {}  # rank -> output seq to show before it counts as done
         self.results: dict[int, Any] = {}
         self.failures: list[RankFailure] = []
@@ -143,7 +144,7 @@ class Call:
             raise distributed_error(
                 self.failures, log_dir=self.console.log_dir, earlier_attempts=self.earlier
             )
-        self.pool.use_store(self.next_port)  # every rank is done with this call's store
+        self.pool.use_store(self.next_port, close=self.store_open)  # every rank is done
         return [self.results[rank] for rank in range(len(self.pool.actors))]
 
     def stacks(self) -> dict[int, str]:
@@ -163,13 +164,13 @@ class Call:
             draining = self._request_output()
             status = self.status.tick(now, console.last_output) if self.status else None
             wake = [t for t in (self.gather_until, self.time_limit, console.tick(now), status) if t]
-            for ready in _ready([*self.runs, *draining], min(wake) - now if wake else None):
-                if self.stop.is_set():
-                    raise StopRequested
-                if ready in self.runs:
-                    self._take(self._outcome(self.runs.pop(ready), ready))
-                else:
-                    self._show(draining[ready])
+            ready = _ready([*self.runs, *draining], min(wake) - now if wake else None)
+            if self.stop.is_set():
+                raise StopRequested
+            self._take_all([ref for ref in ready if ref in self.runs])
+            for ref in ready:
+                if ref in draining:
+                    self._show(draining[ref])
 
     def rank_state(self, rank: int, *, stopped: bool) -> str:
         """finished, failed, running (or what it waits on); `stopped` when the call ended."""
@@ -244,6 +245,20 @@ class Call:
             if rank not in self.dead
         }
 
+    def _take_all(self, refs: list[ray.ObjectRef]) -> None:
+        """Take the outcomes of these finished runs, fetched together where all are there."""
+        if not refs:
+            return
+        try:
+            packed = ray.get(refs)
+        except RayActorError:  # one is gone: each on its own, that one as a crash
+            for ref in refs:
+                self._take(self._outcome(self.runs.pop(ref), ref))
+            return
+        for ref, data in zip(refs, packed, strict=True):
+            self.runs.pop(ref)
+            self._take(pickle.loads(data))  # noqa: S301 - from our own rank actor
+
     def _take(self, outcome: RankResult | RankFailure) -> None:
         self.owed[outcome.rank] = outcome.output_seq
         if isinstance(outcome, RankFailure):
@@ -253,6 +268,7 @@ class Call:
         self.results[outcome.rank] = outcome.value
         if outcome.next_master_port is not None:
             self.next_port = outcome.next_master_port
+            self.store_open = outcome.store_open
 
     def _show(self, rank: int) -> None:
         try:

@@ -146,6 +146,7 @@ def distribute(
     log_prefix: str = DEFAULT_PREFIX,
     log_ranks: Collection[int] | None = None,
     log_dir: str | os.PathLike[str] | bool | None = True,
+    fold_output: bool | None = None,
     timeout: float | None = None,
     post_mortem: bool = False,
     placement_timeout: float | None = None,
@@ -158,9 +159,12 @@ def distribute(
     Nothing starts until the first call; the ranks' actors then stay warm for the
     next call until `.shutdown()`, the end of a `with` block, or interpreter exit.
     `log_dir=True` keeps each call's per-rank logs under `default_log_dir()`; a path
-    puts them there instead; False keeps none. `timeout` (seconds) stops a call that
-    runs longer with a JobTimeoutError showing every rank's stacks. `breakpoint()` in
-    `fn` and `post_mortem=True` open pdb on that rank; its output says how to attach.
+    puts them there instead; False keeps none. From 8 ranks shown, lines the ranks
+    write alike are shown once with their ranks (`[train r0-127] ...`, numbers as
+    ranges); `fold_output=False` shows every line, True folds at any size. `timeout`
+    (seconds) stops a call that runs longer with a JobTimeoutError showing every
+    rank's stacks. `breakpoint()` in `fn` and `post_mortem=True` open pdb on that
+    rank; its output says how to attach.
     When other jobs hold the resources, the first call waits for them (the console
     says what for), or raises PlacementTimeoutError after `placement_timeout` seconds.
     `.submit(...)` returns a Job at once; with `queue=False` a call submitted while

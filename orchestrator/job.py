@@ -101,7 +101,7 @@ class Job(Future[list[R]]):
         """The submitter's context: a notebook routes output by it to the submitting cell."""
         self.call: Call | None = None
         """The running (or last) attempt's call, once its ranks started."""
-        self.view = CellOutput(f"[{name}] submitted", table=self.table) if in_cell else None
+        self.view: CellOutput | None = None
         """In a notebook, the submitting cell's display that shows the ranks' output."""
         self._owner = owner
         self._stop = stop
@@ -111,6 +111,8 @@ class Job(Future[list[R]]):
         self._phase = QUEUED
         self._waiting_for: str | None = None
         self._failed_attempts: list[str] = []
+        if in_cell:  # last: it draws the table at once
+            self.view = CellOutput(f"[{name}] submitted", table=self.table)
         _live.add(self)
 
     def result(self, timeout: float | None = None) -> list[R]:

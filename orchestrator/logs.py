@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from orchestrator import messages
+from orchestrator.fold import Folded, Folder, fold_by_default, rank_label
 from orchestrator_workers import private
 from orchestrator_workers.protocol import RAY_MARKERS, OutputChunk
 
@@ -55,11 +56,13 @@ class Console:
         show: Collection[int] | None = None,
         log_dir: Path | None = None,
         sink: Callable[[str, str], None] | None = None,
+        fold: bool | None = None,
     ) -> None:
         """`show`: ranks whose lines go to the console (all when None); files get all.
 
         `log_dir`: where rank-N.log files go (made on first use); `sink(stream, text)`:
-        where shown lines go instead of stdout/stderr (a notebook cell).
+        where shown lines go instead of stdout/stderr (a notebook cell). `fold`: show
+        lines many ranks write alike once (orchestrator.fold); None: by how many are shown.
         """
         self.name = name
         self.prefix = prefix
@@ -71,11 +74,18 @@ class Console:
         """When a rank last wrote anything (time.monotonic())."""
         self._streams: dict[tuple[int, str], _Stream] = {}
         self._files: dict[int, TextIO] = {}
+        self._prefixes: dict[tuple[tuple[int, ...], bool], str] = {}
         self.sink = sink
         self.log_dir = log_dir
+        shown = range(num_ranks) if show is None else sorted(set(show) & set(range(num_ranks)))
+        folding = fold_by_default(len(shown)) if fold is None else fold
+        self.folder = Folder(shown) if folding else None
+        """Folds the shown lines before they are written; None: each line as it comes."""
 
     def close_logs(self) -> None:
-        """Flush and close the log files."""
+        """Show the folded lines still pending, then flush and close the log files."""
+        if self.folder is not None:
+            self._show(self.folder.flush())
         for file in self._files.values():
             file.close()
         self._files = {}
@@ -91,7 +101,7 @@ class Console:
             text = state.pending + state.decoder.decode(chunk.data)
             *lines, rest = text.split("\n")
             if lines:
-                self._emit(rank, chunk.stream, [_rendered(line) for line in lines])
+                self._emit(rank, chunk.stream, [_rendered(line) for line in lines], now)
                 state.shown = ""
                 state.due = None
             state.pending = rest[rest.rfind("\r", 0, len(rest.rstrip("\r"))) + 1 :]
@@ -99,7 +109,7 @@ class Console:
                 state.due = now + PARTIAL_DELAY_S
 
     def tick(self, now: float | None = None) -> float | None:
-        """Show partial lines that are due; return when the next one will be."""
+        """Show partial lines and folds that are due; return when the next one will be."""
         now = time.monotonic() if now is None else now
         upcoming = None
         for (rank, stream), state in sorted(self._streams.items()):
@@ -108,19 +118,26 @@ class Console:
             if state.due <= now:
                 text = _rendered(state.pending)
                 if text and text != state.shown:
-                    self._emit(rank, stream, [text])
+                    self._emit(rank, stream, [text], now)
                     state.shown = text
                 state.due = now + PROGRESS_INTERVAL_S
             upcoming = state.due if upcoming is None else min(upcoming, state.due)
+        if self.folder is not None:
+            self._show(self.folder.tick(now))
+            due = self.folder.due
+            upcoming = due if upcoming is None or due is None else min(upcoming, due)
         return upcoming
 
     def flush(self) -> None:
-        """Show every partial line not yet shown (the end of a call) and flush the files."""
+        """Show every partial line and fold not yet shown (the end of a call); flush the files."""
+        now = time.monotonic()
         for (rank, stream), state in sorted(self._streams.items()):
             text = _rendered(state.pending)
             if text and text != state.shown:
-                self._emit(rank, stream, [text])
+                self._emit(rank, stream, [text], now)
             state.pending, state.shown, state.due = "", "", None
+        if self.folder is not None:
+            self._show(self.folder.flush())
         for file in self._files.values():
             file.flush()
 
@@ -136,6 +153,20 @@ class Console:
         for file in list(self._files.values()):
             file.flush()
 
+    def _prefix(self, ranks: tuple[int, ...], colour: bool) -> str:
+        """The prefix of a line from `ranks`, with the space after it ("" for none)."""
+        cached = self._prefixes.get((ranks, colour))
+        if cached is not None:
+            return cached
+        rank = ranks[0] if len(ranks) == 1 else _RankList(rank_label(ranks))
+        prefix = self.prefix.format(name=self.name, rank=rank)
+        if prefix and colour:
+            prefix = f"\x1b[{_COLOURS[ranks[0] % len(_COLOURS)]}m{prefix}\x1b[0m"
+        prefix = f"{prefix} " if prefix else ""
+        if len(ranks) == 1:  # a fold's rank sets are too many to keep
+            self._prefixes[(ranks, colour)] = prefix
+        return prefix
+
     def _file(self, rank: int) -> TextIO:
         if rank not in self._files:
             assert self.log_dir is not None
@@ -144,7 +175,8 @@ class Console:
             self._files[rank] = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed by close_logs
         return self._files[rank]
 
-    def _emit(self, rank: int, stream: str, lines: list[str]) -> None:
+    def _emit(self, rank: int, stream: str, lines: list[str], now: float) -> None:
+        """File `lines` of `rank` at once; show them, or hand them to the folder."""
         lines = [line for line in lines if not line.startswith(_RAY_MARKERS)]
         if not lines:
             return
@@ -153,18 +185,45 @@ class Console:
             self._file(rank).write("".join(f"{line}\n" for line in lines))
         if self.show is not None and rank not in self.show:
             return
+        if self.folder is None:
+            self._show([Folded((rank,), stream, line) for line in lines])
+            return
+        shown: list[Folded] = []
+        for line in lines:
+            shown += self.folder.add(rank, stream, line, now)
+        self._show(shown)
+
+    def _show(self, lines: list[Folded]) -> None:
+        """Write `lines` with their ranks' prefix, a run of one stream at a time."""
+        start = 0
+        for end in range(1, len(lines) + 1):
+            if end == len(lines) or lines[end].stream != lines[start].stream:
+                self._write(lines[start].stream, lines[start:end])
+                start = end
+
+    def _write(self, stream: str, lines: list[Folded]) -> None:
         out: TextIO = sys.stdout if stream == "stdout" else sys.stderr
-        prefix = self.prefix.format(name=self.name, rank=rank)
-        if prefix and self.sink is None and _is_tty(out):
-            prefix = f"\x1b[{_COLOURS[rank % len(_COLOURS)]}m{prefix}\x1b[0m"
-        sep = " " if prefix else ""
-        text = "".join(f"{prefix}{sep}{line}\n" for line in lines)
+        colour = self.sink is None and _is_tty(out)
+        text = "".join(f"{self._prefix(line.ranks, colour)}{line.text}\n" for line in lines)
         if self.sink is not None:
             self.sink(stream, text)
             return
         messages.clear_in_place()  # a status line, if one is drawn
         out.write(text)
         out.flush()
+
+
+class _RankList(str):
+    """Ranks as "0-63,65-127" in a prefix; a number's format ({rank:03d}) leaves it as is."""
+
+    __slots__ = ()
+
+    def __format__(self, spec: str) -> str:
+        """`spec` applied where it applies to text."""
+        try:
+            return format(str(self), spec)
+        except ValueError:
+            return str(self)
 
 
 def _rendered(line: str) -> str:

@@ -19,6 +19,7 @@ from typing_extensions import Unpack
 
 from orchestrator import placement
 from orchestrator.errors import ConfigError
+from orchestrator.fold import FOLD_FROM_RANKS
 from orchestrator.logs import DEFAULT_PREFIX, unsafe_log_dir
 from orchestrator_workers import private
 
@@ -54,6 +55,9 @@ class Options:
     """Ranks shown on the console (None: all); the log files keep every rank."""
     log_dir: str | os.PathLike[str] | bool | None = True
     """True: each call's rank-N.log files under default_log_dir(); a path: there; False: none."""
+    fold_output: bool | None = None
+    """Show lines many ranks write alike once, as `[train r0-127] ...` (the log files keep
+    every line). None: on from 8 ranks shown, where one print per step fills a screen."""
     timeout: float | None = None
     """Seconds a call may run before it is stopped with every rank's stacks."""
     post_mortem: bool = False
@@ -201,6 +205,11 @@ class Options:
                     f"log_ranks={list(self.log_ranks)!r}: {bad} not ranks; valid: "
                     f"0..{self.num_replicas - 1}"
                 )
+        if self.fold_output is not None and not isinstance(self.fold_output, bool):
+            problems.append(
+                f"fold_output={self.fold_output!r}: must be True, False, or None (folded from "
+                f"{FOLD_FROM_RANKS} ranks shown)"
+            )
         if not isinstance(self.log_dir, bool | str | os.PathLike | None):
             problems.append(
                 f"log_dir={self.log_dir!r}: must be True (the default folder), a folder's path, "

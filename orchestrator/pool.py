@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import threading
 import time
@@ -67,6 +68,7 @@ class Pool:
         env: Mapping[str, str],
         runtime_env: Mapping[str, Any] | None,
         post_mortem: bool = False,
+        preload_torch: bool = True,
         placement_timeout: float | None = None,
         stop: threading.Event | None = None,
         on_phase: Callable[[State, str | None], None] | None = None,
@@ -84,7 +86,9 @@ class Pool:
         """Per rank, its output as the driver takes it in, for as long as its actor lives."""
         self.infos: list[NodeInfo] = []
         self.specs: list[RankSpec] = []
-        """Each rank's place in the job; a call adds its own half (port, attempt, ...)."""
+        """Each rank's place in the job; a call adds its own half (a CallSpec)."""
+        self.packed_specs: list[bytes] = []
+        """`specs`, pickled once for every call."""
         self.store_port = 0
         """The port of the rendezvous store rank 0 serves for the next call."""
         self._stop = stop or threading.Event()
@@ -92,6 +96,8 @@ class Pool:
         self._closing = threading.Lock()
         self._closed = False
         self._simulated = simulate_nodes
+        # GPU ranks load torch at once: the first call binds each to its GPU.
+        self._preload_torch = preload_torch or request.gpus_per_replica > 0
         self.id = uuid.uuid4().hex[:8]
         self.pg = placement_group(
             [request.bundle()] * request.num_nodes,
@@ -198,7 +204,7 @@ class Pool:
             runtime_env=dict(self._runtime_env) if self._runtime_env else None,
             name=actor_name(self.name, self.id, rank, attempt),
             namespace=ACTOR_NAMESPACE,
-        ).remote(self.name, rank, dict(self._env))
+        ).remote(self.name, rank, dict(self._env), preload_torch=self._preload_torch)
 
     def _infos(self, ranks: Iterable[int]) -> list[NodeInfo]:
         infos: list[NodeInfo] = self._get([self.actors[rank].info.remote() for rank in ranks])
@@ -238,14 +244,17 @@ class Pool:
             post_mortem=self._post_mortem,
             workdir=self._workdir,
         )
+        self.packed_specs = [pickle.dumps(spec, pickle.HIGHEST_PROTOCOL) for spec in self.specs]
 
-    def use_store(self, port: int | None) -> None:
-        """After a call: rank 0 closes its store, and reserved `port` for the next call's.
+    def use_store(self, port: int | None, *, close: bool) -> None:
+        """After a call: rank 0 reserved `port` for the next call's store; `close`: its
+        store still serves, and every rank is done with it.
 
         Not waited for: rank 0 closes it while the driver returns the results.
         """
         if port is not None:
-            self.actors[0].close_store.remote(self.store_port)
+            if close:
+                self.actors[0].close_store.remote(self.store_port)
             self.store_port = port
 
     def stacks(self) -> dict[int, str]:

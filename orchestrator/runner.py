@@ -106,11 +106,11 @@ class Runner:
         impossible request fail here, before anything is queued.
         """
         self._refuse_if_busy(options)  # before the payload is pickled, too
-        payload = shipping.payload(fn, args, kwargs)
+        payload, uses_torch = shipping.pack(fn, args, kwargs)
         plan = None if self.pool is not None else _plan(options)
         # Now, before returning: the arguments' big tensors are pickled by reference, so a
         # caller changing them after submit() must not change what the ranks get.
-        shipped = shipping.ship(payload)
+        shipped = shipping.ship(payload, uses_torch=uses_torch)
         folder = options.log_folder
         log_dir = logs.call_folder(folder, self.name) if folder is not None else None
         job: Job[Any] = Job(
@@ -244,7 +244,7 @@ class Runner:
         earlier: list[BaseException],
     ) -> list[Any]:
         if self.pool is None:
-            self._box.pool = self._start(job, plan or _plan(options))
+            self._box.pool = self._start(job, plan or _plan(options), shipped.uses_torch)
         pool = self.pool
         assert pool is not None
         job.attempt(
@@ -262,7 +262,7 @@ class Runner:
         assert job.call is not None
         return job.call.wait()
 
-    def _start(self, job: Job[Any], plan: Plan) -> Pool:
+    def _start(self, job: Job[Any], plan: Plan, uses_torch: bool) -> Pool:
         request, simulate = plan
         options = self.options
 
@@ -278,6 +278,7 @@ class Runner:
             env=environment.user_env(options.env or {}, options.runtime_env),
             runtime_env=options.runtime_env,
             post_mortem=options.post_mortem,
+            preload_torch=uses_torch,
             placement_timeout=options.placement_timeout,
             stop=job.stop_requested,
             on_phase=progress,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import io
 import linecache
@@ -10,9 +11,9 @@ import sys
 import sysconfig
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import cloudpickle
 import ray
@@ -21,6 +22,7 @@ from orchestrator import _ray_compat
 from orchestrator.errors import ConfigError
 from orchestrator_workers import sharing
 from orchestrator_workers.protocol import Payload
+from orchestrator_workers.script import Script
 
 # Code under these folders is installed, so workers import it by reference.
 _INSTALLED = tuple(
@@ -34,38 +36,59 @@ OUT_OF_BAND_BYTES = 1 << 20
 """Tensors and arrays this big travel out of band, one copy per node (workers/sharing.py)."""
 
 
-Shipment: TypeAlias = bytes | ray.ObjectRef
-"""A call's payload as the ranks get it: pickled inline, or one object in Ray's store."""
+@dataclass(frozen=True)
+class Shipment:
+    """A call's payload as the ranks get it, and what the driver knows of it."""
+
+    data: bytes | ray.ObjectRef
+    """Pickled inline (small), or one object in Ray's store."""
+    uses_torch: bool
+    """Whether the function or its arguments refer to torch: ranks then load it ahead."""
+
+
 _INLINE_BYTES = 64 * 1024
 """Payloads up to this size are sent with each rank's task instead of through ray.put."""
-
-
-def ship(shipped: Payload) -> Shipment:
+def ship(shipped: Payload, *, uses_torch: bool = True) -> Shipment:
     """Make a payload ready to send to any number of ranks, now (a snapshot of its buffers).
 
     Large payloads go into the object store once, whatever the number of ranks, and each
     rank reads the bytes in place; small ones travel inside each task (bytes: Ray passes
-    them as they are, where it would pickle a dataclass per rank).
+    them as they are, where it would pickle a dataclass per rank). `uses_torch`: see
+    `pack`.
     """
     if shipped.size() <= _INLINE_BYTES:
-        return pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL)
-    return ray.put(replace(shipped, call=pickle.PickleBuffer(shipped.call)))
+        return Shipment(pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL), uses_torch)
+    return Shipment(ray.put(replace(shipped, call=pickle.PickleBuffer(shipped.call))), uses_torch)
 
 
 def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:
     """`(fn, args, kwargs)` cloudpickled with `fn`'s current code, and that code's source."""
+    return pack(fn, args, kwargs)[0]
+
+
+def pack(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Payload, bool]:
+    """The payload of `fn(*args, **kwargs)`, and whether the call loads torch.
+
+    As far as the driver can tell: it pickles a torch module, class, function or tensor,
+    something of an installed library that imports torch, or a torchrun script. Code that
+    reaches torch only by a name built at run time is not seen: its ranks then load torch
+    when it runs.
+    """
     fn = current(fn)
     _register_local_modules()
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     try:
         pickler.dump((fn, args, kwargs))
-        return Payload(
+        shipped = Payload(
             call=buffer.getvalue(),
             sources=_sources(pickler.files),
             buffers=tuple(pickler.buffers),
             readonly=tuple(b.raw().readonly for b in pickler.buffers),
         )
+        return shipped, bool(shipped.buffers) or _loads_torch(pickler.modules)
     except Exception as exc:
         culprit = find_unpicklable(fn, args, kwargs)
         raise ConfigError(
@@ -82,6 +105,8 @@ class _Pickler(cloudpickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=5, buffer_callback=self._out_of_band)
         self.files: set[str] = set()
+        self.modules: set[str] = set()
+        """The modules of what was pickled: modules, classes, functions, instances' types."""
         self.buffers: list[pickle.PickleBuffer] = []
         self._storages: dict[tuple[int, int, Any], tuple[Any, ...]] = {}
         self._raw: dict[tuple[int, int], tuple[pickle.PickleBuffer]] = {}
@@ -93,7 +118,17 @@ class _Pickler(cloudpickle.Pickler):
         return False
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.ModuleType):
+            self.modules.add(obj.__name__)
+        elif isinstance(obj, type | types.FunctionType | types.BuiltinFunctionType):
+            self.modules.add(str(getattr(obj, "__module__", "")))
+        elif isinstance(obj, Script):
+            self.modules.add("torch")  # torchrun scripts use it
+        else:
+            self.modules.add(type(obj).__module__)
         if isinstance(obj, types.CodeType):
+            # Code shipped by value: a name it imports or uses, e.g. `import torch`.
+            self.modules.update(name for name in obj.co_names if name == "torch")
             reduced = _ray_compat.code_reduce(obj)
             if reduced is not None:
                 self.files.add(obj.co_filename)
@@ -124,6 +159,26 @@ class _Pickler(cloudpickle.Pickler):
             self._storages[key] = (self._raw[where], dtype) if typed else (self._raw[where],)
         rebuild = sharing.typed_storage if typed else sharing.untyped_storage
         return rebuild, self._storages[key]
+
+
+def _loads_torch(modules: set[str]) -> bool:
+    """Whether any of `modules` is torch's, or an installed one that imported torch."""
+    return any(_torch_module(name) for name in modules)
+
+
+@functools.lru_cache(maxsize=4096)
+def _torch_module(name: str) -> bool:
+    """Whether module `name` is torch's, or installed and holding a torch module (the
+    answer of an installed module does not change; code shipped by value is seen apart)."""
+    if name.partition(".")[0] == "torch":
+        return True
+    module = sys.modules.get(name)
+    if module is None or name == "__main__" or is_local(module):
+        return False
+    return any(
+        isinstance(value, types.ModuleType) and value.__name__.partition(".")[0] == "torch"
+        for value in list(vars(module).values())
+    )
 
 
 def _sources(files: set[str]) -> dict[str, list[str]]:

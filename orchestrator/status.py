@@ -39,7 +39,8 @@ class StatusLine:
         self.num_ranks = num_ranks
         self.started = started
         self._shown_at: float | None = None
-        self._in_place = _is_terminal()
+        self._in_place: bool | None = None
+        """Whether stderr is a terminal: asked once the line is first due (a call costs less)."""
 
     def tick(self, now: float, last_output: float) -> float | None:
         """Show the line if it is due; return when it may next be due (None: never)."""
@@ -51,6 +52,8 @@ class StatusLine:
             return due
         # Redrawn only on a terminal of ours: an application's handler (or pytest's) would
         # make each redraw a line of its own.
+        if self._in_place is None:
+            self._in_place = _is_terminal()
         in_place = self._in_place and not messages.configured(logger)
         every = REDRAW_S if in_place else REPEAT_S
         if self._shown_at is not None and now < self._shown_at + every:

@@ -1,4 +1,5 @@
-"""`orchestrator run / nodes / stacks`: torchrun-style scripts on the session's Ray cluster.
+"""`orchestrator run` and `orchestrator nodes`: torchrun-style scripts on the session's Ray
+cluster.
 
 Each `run` is a fresh `python -m orchestrator` process joining the two-node cluster of
 conftest.py with --address, so the working dir really travels through Ray's runtime_env.
@@ -6,71 +7,25 @@ conftest.py with --address, so the working dir really travels through Ray's runt
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
-import threading
 import time
 import traceback
 from pathlib import Path
 
 import pytest
 
-from orchestrator import distribute
 from orchestrator.cli import main
 from orchestrator.errors import LaunchError
 from orchestrator.upload import DEFAULT_EXCLUDES, check_upload, measure
 from orchestrator_workers.script import Script, ScriptExit, run_script
-from tests.conftest import default_sigint
+from tests.helpers import ROOT, TIMEOUT_S, cli, cli_env, show, write
 from tests.test_examples import TORCHRUN, message_lines, run_example
-
-ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 180
-_INHERITED = ("RAY_ADDRESS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def cli_env(tmp: Path) -> dict[str, str]:
-    """This process's environment (RAY_TMPDIR of the session cluster) minus launcher leftovers."""
-    env = {k: v for k, v in os.environ.items() if k not in _INHERITED}
-    env["ORCHESTRATOR_LOG_DIR"] = str(tmp / "logs")
-    env.pop("PYTHONUNBUFFERED", None)
-    return env
-
-
-def cli(command: str, *, cwd: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
-    """`python -m orchestrator COMMAND` in `cwd`; its exit status and output."""
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator", *shlex.split(command)],
-        cwd=cwd,
-        env=cli_env(tmp),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
-
-
-def show(proc: subprocess.CompletedProcess[str]) -> str:
-    """Everything a failed assertion should show."""
-    return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
-
-
-def write(folder: Path, files: dict[str, str]) -> Path:
-    """Create `files` (relative path -> text, dedented) under `folder`; return `folder`."""
-    for name, text in files.items():
-        path = folder / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    return folder
-
 
 # --- the rank side, in this process (no Ray) ---------------------------------------------
 
@@ -146,12 +101,6 @@ def test_bad_layout_is_reported_in_the_command_line_s_terms(tmp_path, capsys):
     assert "missing.py: no such file" in capsys.readouterr().err
 
 
-def test_attach_needs_the_rank_s_secret(monkeypatch, capsys):
-    monkeypatch.delenv("ORCHESTRATOR_DEBUG_TOKEN", raising=False)
-    assert main(["attach", "127.0.0.1:9"]) == 2
-    assert "without the rank's secret" in capsys.readouterr().err
-
-
 def test_a_syntax_error_is_shown_before_anything_starts(tmp_path, monkeypatch, capsys):
     write(tmp_path, {"broken.py": "import os\n\ndef train(:\n    pass\n"})
     monkeypatch.chdir(tmp_path)
@@ -211,40 +160,6 @@ def test_resnet_guide_script_on_two_nodes(cluster, tmp_path):
     assert proc.returncode == 0, show(proc)
     assert re.search(r"^\[resnet r0\] Throughput: \d+\.\d+ images/s", proc.stdout, re.M), show(proc)
     assert "resnet18: 2 rank(s), gloo" in proc.stdout
-
-
-def test_failing_rank_root_cause_last_and_exit_zero_is_success(cluster, tmp_path):
-    project = write(
-        tmp_path / "p",
-        {
-            "fail.py": """\
-                import os, sys, time
-                rank = int(os.environ["RANK"])
-
-                def explode():
-                    raise ValueError("rank one is broken")
-
-                if rank == 0:
-                    print("rank 0 leaves with sys.exit(0)", flush=True)
-                    sys.exit(0)
-                time.sleep(0.5)
-                explode()
-            """
-        },
-    )
-    proc = cli(
-        f"run --nproc 2 --per-node 1 --address {cluster.address} fail.py",
-        cwd=project,
-        tmp=tmp_path,
-    )
-    assert proc.returncode == 1, show(proc)
-    assert "[fail r0] rank 0 leaves with sys.exit(0)" in proc.stdout
-    report = proc.stderr[proc.stderr.index("[orchestrator] the job failed: ") :]
-    assert report.splitlines()[0].endswith("raised ValueError: rank one is broken"), show(proc)
-    assert "rank 1 (local rank 0)" in report.splitlines()[0]
-    assert 'fail.py", line 5, in explode' in report
-    assert "other rank(s) failed" not in report  # rank 0's sys.exit(0) is no failure
-    assert "[fail r" not in report  # every line of the ranks came before it
 
 
 def test_working_dir_shipped_helper_imports_and_local_rank_arg(cluster, tmp_path):
@@ -393,136 +308,6 @@ def test_nodes_lists_each_node_with_cpus_and_gpus(cluster, tmp_path):
     rows = [line.split() for line in proc.stdout.splitlines()[1:-1]]
     assert [row[2:4] for row in rows] == [["4", "2"], ["4", "2"]], proc.stdout
     assert proc.stdout.splitlines()[-1] == "2 node(s): 8 CPUs, 4 GPUs in all"
-
-
-def test_stacks_of_a_job_run_elsewhere_then_ctrl_c_stops_it(cluster, tmp_path, capsys):
-    project = write(
-        tmp_path / "p",
-        {
-            "stuck.py": """\
-                import time
-                import torch.distributed as dist
-
-                def wait_for_rank_0():
-                    dist.barrier()
-
-                dist.init_process_group("gloo")
-                print("ready", flush=True)
-                if dist.get_rank() == 0:
-                    time.sleep(600)
-                wait_for_rank_0()
-            """
-        },
-    )
-    command = f"run --nproc 2 --per-node 1 --address {cluster.address} --name stuck stuck.py"
-    job = subprocess.Popen(  # Ctrl-C must reach it, however this suite was started
-        default_sigint([sys.executable, "-m", "orchestrator", *shlex.split(command)]),
-        cwd=project,
-        env=cli_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        ready = 0
-        assert job.stdout is not None
-        for line in job.stdout:
-            ready += line.endswith("ready\n")
-            if ready == 2:
-                break
-        assert ready == 2, job.stderr.read() if job.stderr else ""
-
-        assert main(["stacks", "nothing-here"]) == 2
-        err = capsys.readouterr().err
-        assert "no running job named 'nothing-here'" in err and "stuck (stuck-" in err
-
-        # A second pool with the same name, from this process: both are shown.
-        other = distribute(time.sleep, num_replicas=1, name="stuck")
-
-        def sleep_there() -> None:
-            with contextlib.suppress(Exception):  # cancelled by the shutdown below
-                other(30)
-
-        sleeper = threading.Thread(target=sleep_there, daemon=True)
-        sleeper.start()
-        try:
-            out = ""
-            deadline = time.monotonic() + 60
-            while out.count("=== stuck-") < 2 and time.monotonic() < deadline:
-                assert main(["stacks", "stuck"]) == 0
-                out = capsys.readouterr().out
-        finally:
-            other.shutdown()
-        blocks = out.split("=== stuck-")
-        assert len(blocks) == 3, out
-        ours = next(b for b in blocks if "--- rank 1 ---" in b)
-        rank0, rank1 = ours.split("--- rank 1 ---")
-        assert "time.sleep(600)" in rank0, out
-        assert "in wait_for_rank_0" in rank1 and "dist.barrier()" in rank1, out
-        assert "runpy" not in ours and "run_script" not in ours, out  # from the user's code
-
-        job.send_signal(signal.SIGINT)
-        _, err = job.communicate(timeout=60)
-        assert job.returncode == 130, err
-        assert "interrupted: every rank of stuck was stopped" in err
-        deadline = time.monotonic() + 30
-        while main(["stacks", "stuck"]) == 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert "no running job named 'stuck'" in capsys.readouterr().err
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-
-
-def test_exit_status_of_sys_exit_and_of_a_timeout(cluster, tmp_path):
-    project = write(
-        tmp_path / "p",
-        {
-            "three.py": "import sys\nsys.exit(3)\n",
-            "sleepy.py": "import time\nprint('asleep', flush=True)\ntime.sleep(600)\n",
-        },
-    )
-    proc = cli(f"run --nproc 1 --address {cluster.address} three.py", cwd=project, tmp=tmp_path)
-    assert proc.returncode == 3, show(proc)
-    assert "ScriptExit: the script called sys.exit(3)" in proc.stderr, show(proc)
-    proc = cli(
-        f"run --nproc 1 --address {cluster.address} --timeout 2 sleepy.py",
-        cwd=project,
-        tmp=tmp_path,
-    )
-    assert proc.returncode == 124, show(proc)
-    assert "the call did not finish within 2 s" in proc.stderr
-    assert "time.sleep(600)" in proc.stderr.split("did not finish")[1]
-
-
-def test_max_restarts_restarts_a_crashed_script(cluster, tmp_path):
-    project = write(
-        tmp_path / "p",
-        {
-            "flaky.py": """\
-                import os, signal
-                import torch.distributed as dist
-
-                dist.init_process_group("gloo")
-                attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-                if os.environ["RANK"] == "1" and attempt == "0":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                dist.barrier()
-                print(f"attempt {attempt} done", flush=True)
-            """
-        },
-    )
-    proc = cli(
-        f"run --nproc 2 --per-node 1 --max-restarts 1 --address {cluster.address} flaky.py",
-        cwd=project,
-        tmp=tmp_path,
-    )
-    assert proc.returncode == 0, show(proc)
-    assert "[flaky] attempt 1 failed: rank 1" in proc.stderr, show(proc)
-    assert sorted(re.findall(r"\[flaky r(\d)\] attempt 1 done", proc.stdout)) == ["0", "1"]
-    assert "attempt 0 done" not in proc.stdout
 
 
 def test_path_checks_follow_dots_and_symlinks(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import distribute
-from tests.test_cli import cli_env, show
+from tests.helpers import cli_env, show
 from tests.test_examples import TORCHRUN
 
 CLIENTS = ("lightning_trainer", "fabric_loop", "accelerate_loop")

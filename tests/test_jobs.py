@@ -5,23 +5,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-import ray
 from ray.util import placement_group_table
 
 from orchestrator import BusyError, PlacementError, PlacementTimeoutError, distribute
 
 from .conftest import wait_resources_back
-
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import wait_for
 
 
 def all_reduce_and_sleep(seconds: float) -> tuple[float, float, float]:
@@ -43,14 +35,6 @@ def all_reduce_and_sleep(seconds: float) -> tuple[float, float, float]:
 def pid_after(seconds: float) -> int:
     time.sleep(seconds)
     return os.getpid()
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not {what} within {timeout} s")
-        time.sleep(0.05)
 
 
 def group_states(prefix: str) -> list[str]:
@@ -202,73 +186,3 @@ def test_asyncio_gather_futures_and_callbacks(cluster):
     assert sorted(seen) == ["f", "g"]
     f.shutdown()
     g.shutdown()
-
-
-DRIVER = """\
-import os, sys, time
-from orchestrator import distribute
-
-def hold(seconds):
-    time.sleep(seconds)
-
-job = distribute(hold, num_replicas=4, replicas_per_node=2, address={address!r}).submit(300)
-while job.status().state != "running":
-    time.sleep(0.05)
-print("running", flush=True)
-if sys.argv[1] == "raise":
-    raise SystemExit("the driver gives up")
-time.sleep(300)
-"""
-
-
-@pytest.mark.parametrize("how", ["raise", "kill"])
-def test_a_driver_that_exits_leaves_nothing_behind(cluster, tmp_path, how):
-    wait_resources_back()
-    script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(DRIVER.format(address=cluster.address)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), how],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == "running\n"
-        # Ray's view of free resources lags the placement by up to a second or so under load.
-        wait_for(lambda: ray.available_resources().get("GPU", 0) < 4, 10, "the job's GPUs held")
-        if how == "kill":
-            proc.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    if how == "raise":
-        assert "the driver gives up" in err
-        assert "stopping job hold (running) at exit" in err
-    wait_resources_back(timeout=60)
-
-
-def print_then_sleep(seconds: float) -> None:
-    print(f"hello from rank {os.environ['RANK']}", flush=True)
-    time.sleep(seconds)
-
-
-def test_a_running_job_shows_its_logs_and_stacks(cluster):
-    fn = distribute(print_then_sleep, num_replicas=2, replicas_per_node=1, gpus_per_replica=0)
-    job = fn.submit(30)
-    wait_for(lambda: job.log_dir is not None and "hello" in job.logs(1), 90, "rank 1's line")
-    assert job.logs(0) == "hello from rank 0\n"
-    stacks = job.stacks()
-    assert sorted(stacks) == [0, 1]
-    assert all("print_then_sleep" in text and "time.sleep" in text for text in stacks.values())
-    assert fn.stacks().keys() == stacks.keys()
-    status = job.status()
-    assert [(r.rank, r.state) for r in status.ranks] == [(0, "running"), (1, "running")]
-    assert all(r.pid for r in status.ranks)
-    assert str(status).startswith("print_then_sleep: running (r0 running, r1 running)")
-    job.cancel()
-    assert job.stacks() == {}
-    fn.shutdown()

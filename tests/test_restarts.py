@@ -1,8 +1,10 @@
-"""Fault tolerance: max_restarts restarts every rank on a fresh pool, on the nodes alive."""
+"""Fault tolerance: max_restarts restarts every rank on a fresh pool, on the nodes alive;
+through distribute() and `orchestrator run --max-restarts`."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ from ray.util import placement_group_table
 from orchestrator import DistributedError, PlacementError, distribute
 
 from .conftest import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
+from .helpers import cli, show, write
 
 
 def crash_once(folder: str, crash: bool = True) -> tuple[str, str, int, float]:
@@ -184,3 +187,31 @@ def test_a_rank_kept_after_a_half_done_init_joins_the_next_group(cluster):
     with distribute(_advance_then_join, num_replicas=2, replicas_per_node=1, timeout=60) as fn:
         fn("advance")
         assert fn("join") == [(2.0, "0"), (2.0, "1")]
+
+
+def test_max_restarts_restarts_a_crashed_script(cluster, tmp_path):
+    project = write(
+        tmp_path / "p",
+        {
+            "flaky.py": """\
+                import os, signal
+                import torch.distributed as dist
+
+                dist.init_process_group("gloo")
+                attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+                if os.environ["RANK"] == "1" and attempt == "0":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                dist.barrier()
+                print(f"attempt {attempt} done", flush=True)
+            """
+        },
+    )
+    proc = cli(
+        f"run --nproc 2 --per-node 1 --max-restarts 1 --address {cluster.address} flaky.py",
+        cwd=project,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 0, show(proc)
+    assert "[flaky] attempt 1 failed: rank 1" in proc.stderr, show(proc)
+    assert sorted(re.findall(r"\[flaky r(\d)\] attempt 1 done", proc.stdout)) == ["0", "1"]
+    assert "attempt 0 done" not in proc.stdout

@@ -323,60 +323,41 @@ def test_files_are_created_new_never_through_a_link(tmp_path: Path, monkeypatch)
     assert stat.S_IMODE((folder / "out.json").stat().st_mode) == 0o600
 
 
-def test_the_debugger_s_greeting_has_one_deadline_and_others_greet_meanwhile(monkeypatch) -> None:
-    """A client trickling a byte at a time does not hold the port while it greets, and is
-    hung up on at the greeting's deadline; bytes sent with the secret, in one packet, are
-    kept for pdb."""
-    import threading
+def test_files_ranks_leave_go_in_a_folder_of_this_user_alone(tmp_path, monkeypatch):
+    import stat
 
-    from orchestrator_workers import debugger
+    from orchestrator_workers import private, tail
 
-    def serve(listener: socket.socket) -> tuple[threading.Thread, list]:
-        found: list[tuple[socket.socket, bytes]] = []
-        accept = debugger._accept_with
-        thread = threading.Thread(target=lambda: found.append(accept(listener, "s3")))
-        thread.start()
-        return thread, found
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    folder = private.folder()
+    assert folder == tmp_path / "orchestrator"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert tail.tail_path(42) == folder / "tail-42.json"
+    folder.chmod(0o777)  # others may write there now: plant, read or redirect files
+    with pytest.raises(private.UnsafeFolderError, match="not this user's private folder"):
+        private.folder()
+    folder.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    folder.symlink_to(elsewhere)  # a planted link
+    with pytest.raises(private.UnsafeFolderError):
+        private.folder()
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert private.folder().name == f"orchestrator-{os.getuid()}"  # in the temp dir
 
-    monkeypatch.setattr(debugger, "_HELLO_TIMEOUT_S", 30.0)
-    listener = socket.create_server(("127.0.0.1", 0))
-    waiter, found = serve(listener)
-    with socket.create_connection(listener.getsockname(), timeout=10) as trickler:
-        trickler.sendall(b"0")  # and nothing more for now: it greets until its deadline
-        with socket.create_connection(listener.getsockname(), timeout=10) as real:
-            real.sendall(b"s3\np x\n")
-            waiter.join(10)
-            assert found, "the real client waited behind a greeting one"
-            conn, rest = found[0]
-            assert rest == b"p x\n"  # the command sent with the secret is not lost
-            conn.close()
-        assert trickler.recv(1) == b""  # hung up on once the secret came
-    listener.close()
 
-    monkeypatch.setattr(debugger, "_HELLO_TIMEOUT_S", 1.0)
-    listener = socket.create_server(("127.0.0.1", 0))
-    waiter, found = serve(listener)
-    with socket.create_connection(listener.getsockname(), timeout=10) as trickler:
-        started = time.monotonic()
-        trickler.settimeout(0.2)
-        held = 0.0
-        while held < 10:  # a byte every 0.2 s: each recv alone would never time out
-            try:
-                trickler.sendall(b"0")
-                if trickler.recv(1) == b"":
-                    break
-            except TimeoutError:
-                pass
-            except OSError:
-                break
-            held = time.monotonic() - started
-        assert held < 3, f"a trickling client held the greeting for {held:.1f} s"
-    with socket.create_connection(listener.getsockname(), timeout=10) as real:
-        real.sendall(b"s3\n")
-        waiter.join(10)
-    assert found and found[0][1] == b""
-    found[0][0].close()
-    listener.close()
+def test_log_files_and_the_folders_made_for_them_are_this_users_alone(tmp_path):
+    import stat
+
+    folder = tmp_path / "logs" / "train" / "stamp"
+    console = Console("train", 1, log_dir=folder)
+    console.write(0, [OutputChunk(1, "stdout", b"secret\n")], now=0)
+    console.close_logs()
+    log = folder / "rank-0.log"
+    assert log.read_text() == "secret\n"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    for made in (folder, folder.parent, folder.parent.parent):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
 
 
 def _refused(host: str, port: int) -> bool:

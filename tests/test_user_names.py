@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import cli, cli_env, show, write
+from tests.helpers import cli, cli_env, show, write
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = sorted(

@@ -100,18 +100,8 @@ def tracker_in_own_session() -> None:
     util.spawnv_passfds = spawn
 
 
-def reserve_port(host: str, port: int = 0) -> socket.socket:
-    """A TCP socket bound to `host`:`port` (0: one the OS picks), not yet listening."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.set_inheritable(False)
-    sock.bind((host, port))
-    return sock
-
-
 def serve_store(sock: socket.socket) -> Any:
-    """torch's TCPStore server listening on `sock` (bound to the ranks' interface) alone.
+    """torch's TCPStore server on the listening `sock` (bound to the ranks' interface) alone.
 
     torch binds a store it opens itself to every interface; handed a listening socket
     (`master_listen_fd`), it serves there. Degraded (a torch without it, or whose backend
@@ -120,7 +110,6 @@ def serve_store(sock: socket.socket) -> Any:
     from torch.distributed import TCPStore
 
     host, port = sock.getsockname()[:2]
-    sock.listen(128)
     fd = sock.detach()
     try:
         return TCPStore(

@@ -7,18 +7,27 @@ import linecache
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import traceback
 from dataclasses import replace
-from typing import Any
 
 import cloudpickle
 import ray
 
-from orchestrator_workers import _compat, debugger, elastic, environment, script, sharing, stacks
+from orchestrator_workers import (
+    _compat,
+    debugger,
+    elastic,
+    environment,
+    script,
+    sharing,
+    stacks,
+)
 from orchestrator_workers.capture import Capture
 from orchestrator_workers.protocol import (
+    CallSpec,
     NodeInfo,
     OutputChunk,
     Payload,
@@ -26,6 +35,7 @@ from orchestrator_workers.protocol import (
     RankResult,
     RankSpec,
 )
+from orchestrator_workers.store import StoreServer, reserve_port
 
 CONCURRENCY_GROUPS = {"control": 4}
 """Calls that must be answered while `run` is busy (output, stacks) use this group."""
@@ -34,12 +44,20 @@ CONCURRENCY_GROUPS = {"control": 4}
 class RankActor:
     """One rank of a distributed function; stays alive between calls (the warm pool)."""
 
-    def __init__(self, job_name: str, rank: int, env: dict[str, str] | None = None) -> None:
-        """Remember who this actor is, and start importing torch in the background.
+    def __init__(
+        self,
+        job_name: str,
+        rank: int,
+        env: dict[str, str] | None = None,
+        *,
+        preload_torch: bool = True,
+    ) -> None:
+        """Remember who this actor is, and (`preload_torch`) start importing torch.
 
-        The import (a second or more of CPU) then overlaps the pool's other start-up
-        work and the other ranks' imports, instead of waiting for the first call. The
-        user's `env` is set first: torch reads some variables only on import.
+        The import (a second or more of CPU, ~250 MB) then overlaps the pool's other
+        start-up work and the other ranks' imports, instead of waiting for the first
+        call; a job that does not use torch skips it. The user's `env` is set first:
+        torch reads some variables only on import.
         """
         environment.preset(env or {})
         _compat.tracker_in_own_session()  # what the rank leaves in /dev/shm is removed
@@ -47,13 +65,19 @@ class RankActor:
         self._rank = rank
         self._local_rank = 0
         self._node_ip = ray.util.get_node_ip_address()
-        self._store: Any = None
-        """The running call's rendezvous store (rank 0): torch's TCPStore server."""
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._store: StoreServer | None = None
+        """The running call's rendezvous store (rank 0)."""
         self._reserved: socket.socket | None = None
         """The next call's store port, bound on this node's IP but not listening."""
         self._store_lock = threading.Lock()
         self._capture = Capture()
-        threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
+        self._importing: threading.Thread | None = None
+        if preload_torch:
+            self._importing = threading.Thread(
+                target=_import_torch, name="import torch", daemon=True
+            )
+            self._importing.start()
         sharing.remove("", older_than=sharing.STALE_S)  # what killed ranks may have left here
 
     def __repr__(self) -> str:
@@ -61,7 +85,13 @@ class RankActor:
         return self._label
 
     def info(self) -> NodeInfo:
-        """Where this actor runs and what Ray gave it."""
+        """Where this actor runs and what Ray gave it, once torch is loaded if it is to be.
+
+        The pool's start waits for it: a call's time (and its `timeout`) is then the
+        call's own, not torch's import.
+        """
+        if self._importing is not None:
+            self._importing.join()
         context = ray.get_runtime_context()
         gpus = tuple(str(gpu) for gpu in context.get_accelerator_ids().get("GPU", []))
         return NodeInfo(
@@ -88,43 +118,59 @@ class RankActor:
     def open_store(self) -> int:
         """Reserve the next call's rendezvous port (nothing listens there until the call
         starts), closing any store still open; return the port."""
-        with self._store_lock:
-            self._store = None
+        self._close_store()
         return self._reserve()
+
+    def _close_store(self, port: int | None = None) -> None:
+        with self._store_lock:
+            store = self._store
+            if store is None or (port is not None and store.port != port):
+                return
+            self._store = None
+        store.close()
 
     def _reserve(self) -> int:
         """Reserve a port for the next call's store; the running call's stays open."""
         with self._store_lock:
             if self._reserved is not None:
                 self._reserved.close()
-            self._reserved = _compat.reserve_port(self._node_ip)
+            self._reserved = reserve_port(self._node_ip)
             return int(self._reserved.getsockname()[1])
 
     @ray.method(concurrency_group="control")
     def close_store(self, port: int) -> None:
         """Close the store of the call that used `port`: every rank of it is done."""
-        with self._store_lock:
-            if self._store is not None and self._store.port == port:
-                self._store = None
+        self._close_store(port)
 
     def _serve_store(self, port: int) -> None:
         """Rank 0, as its call starts: serve the rendezvous store on the reserved `port`."""
+        self._close_store()  # an earlier call's, if the driver's word has not come yet
         with self._store_lock:
             reserved, self._reserved = self._reserved, None
             if reserved is None or reserved.getsockname()[1] != port:
                 if reserved is not None:
                     reserved.close()
-                reserved = _compat.reserve_port(self._node_ip, port)
-            self._store = _compat.serve_store(reserved)
+                reserved = reserve_port(self._node_ip, port)
+            self._store = StoreServer(reserved)
 
-    def run(self, packed_spec: bytes, payload: bytes | Payload) -> bytes:
-        """Run the shipped function as the rank the pickled RankSpec names; never raises.
+    def run(self, packed_spec: bytes, packed_call: bytes, payload: bytes | Payload) -> bytes:
+        """Run the shipped function as the rank the pickled RankSpec names, with what the
+        pickled CallSpec adds; never raises.
 
         A small payload comes pickled (bytes), a large one from the object store. The
         RankResult or RankFailure goes back cloudpickled: bytes cost Ray nothing more to
         pass, and a value that cannot be pickled becomes this rank's failure.
         """
-        outcome = self._run(pickle.loads(packed_spec), payload)  # noqa: S301 - our driver's
+        call: CallSpec = pickle.loads(packed_call)  # noqa: S301 - our driver's
+        spec = replace(
+            pickle.loads(packed_spec),  # noqa: S301 - our driver's
+            master_port=call.master_port,
+            restart_count=call.restart_count,
+            max_restarts=call.max_restarts,
+            share_key=f"{call.share_key}-{self._node_id[:16]}",  # this call's copy per node
+            uses_torch=call.uses_torch,
+        )
+        outcome = self._run(spec, payload)
         try:
             return cloudpickle.dumps(outcome)
         except Exception as exc:  # noqa: BLE001 - reported as the rank's failure
@@ -178,13 +224,20 @@ class RankActor:
                 error_file=report.path,
             )
         _destroy_process_group()
-        # Peers may still use this call's store: the driver closes it once all are done.
-        next_port = self._reserve() if spec.rank == 0 else None
+        next_port, store_open = None, False
+        if spec.rank == 0:
+            # Peers may still use a store they connected to: the driver closes it once all
+            # are done. One nobody connected to (no rendezvous) closes now.
+            store_open = self._store is not None and self._store.made
+            if not store_open:
+                self._close_store()
+            next_port = self._reserve()
         return RankResult(
             rank=spec.rank,
             value=value,
             output_seq=self._capture.sync(),
             next_master_port=next_port,
+            store_open=store_open,
         )
 
     def _failure(self, exc: BaseException, when: float, *, setup: bool) -> RankFailure:
@@ -222,6 +275,8 @@ def _import_torch() -> None:
 
 def _destroy_process_group() -> None:
     """Leave no process group behind, so that the next call's init matches its peers'."""
+    if "torch.distributed" not in sys.modules:
+        return  # never imported: no group to leave (and no torch to load for nothing)
     import torch.distributed as dist
 
     if not dist.is_available():

@@ -153,6 +153,8 @@ def apply(spec: RankSpec) -> None:
         from orchestrator_workers import debugger
 
         sys.breakpointhook = debugger.set_trace
+    if "torch" not in sys.modules and not spec.uses_torch:
+        return  # it reads OMP_NUM_THREADS when the function imports it, if it does
     import torch  # late: CUDA must see CUDA_VISIBLE_DEVICES before it initializes
 
     threads = os.environ["OMP_NUM_THREADS"]

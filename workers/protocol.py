@@ -62,6 +62,9 @@ class RankSpec:
     """Where the rank runs, when it runs on the driver's machine (the local runtime)."""
     share_key: str = ""
     """Names this call's node-wide copy of the payload's large buffers (see sharing.py)."""
+    uses_torch: bool = True
+    """Whether the call's function refers to torch (or GPUs are asked for): the rank
+    then loads torch before it runs, to set its threads and bind its GPU."""
     ranks_on_node: int = 1
     """How many ranks of the job run on this rank's Ray node (they share its cores and
     read one copy of the payload's large buffers)."""
@@ -76,7 +79,22 @@ class RankResult:
     output_seq: int = 0
     """Seq of the last output chunk written before the function returned."""
     next_master_port: int | None = None
-    """Rank 0 only: the port of the store it already opened for the next call."""
+    """Rank 0 only: the port it reserved for the next call's store."""
+    store_open: bool = False
+    """Rank 0 only: its store still serves (a rank connected to it) until the driver,
+    once every rank is done, says to close it; else it closed it itself."""
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """What one call adds to every rank's RankSpec: the same for all, pickled once."""
+
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    share_key: str
+    """The call's key; a rank's node-wide copy of the large buffers adds its node's id."""
+    uses_torch: bool
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,96 @@
+"""The public API: its names, distribute()'s keyword options, and bad arguments reported
+before anything starts. No Ray."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+
+import pytest
+
+import orchestrator
+from orchestrator import ConfigError, distribute
+
+
+def test_public_api_is_small_and_stable():
+    assert sorted(orchestrator.__all__) == [
+        "BusyError",
+        "CallOptions",
+        "ClusterUnreachableError",
+        "ConfigError",
+        "DistributedError",
+        "DistributedFunction",
+        "Job",
+        "JobStatus",
+        "JobTimeoutError",
+        "OrchestratorError",
+        "PlacementError",
+        "PlacementTimeoutError",
+        "RankFailure",
+        "RankStatus",
+        "default_log_dir",
+        "distribute",
+    ]
+    # Every public name a user's type checker can follow: a typed package (py.typed).
+    for package in ("orchestrator", "orchestrator_workers"):
+        assert (Path(importlib.import_module(package).__file__).parent / "py.typed").exists()
+
+
+def test_distribute_s_keywords_are_the_options_dataclass():
+    """Options is the one definition: distribute() spells out the same names, defaults
+    and types for editors and type checkers, and with_options takes the per-call ones."""
+    import dataclasses
+    import inspect
+
+    from orchestrator.options import PER_CALL, Options
+
+    params = inspect.signature(distribute).parameters
+    fields = {f.name: f for f in dataclasses.fields(Options)}
+    assert list(params)[1:] == list(fields)
+    for name, field in fields.items():
+        param = params[name]
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY, name
+        default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+        assert param.default == default, name
+        assert param.annotation == field.type, name
+    assert set(fields) >= PER_CALL
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"num_replicas": 0}, "num_replicas=0: must be an int >= 1"),
+        ({"num_replicas": 2.5}, "num_replicas=2.5"),
+        ({"num_replicas": 4, "replicas_per_node": 3},
+         "replicas_per_node=3 does not divide num_replicas=4; valid: 1, 2, 4"),
+        ({"num_replicas": 4, "replicas_per_node": 0}, "replicas_per_node=0"),
+        ({"num_replicas": 2, "cpus_per_replica": -1}, "cpus_per_replica=-1"),
+        ({"num_replicas": 2, "resources_per_replica": {"GPU": 1}}, "use gpus_per_replica"),
+        ({"num_replicas": 2, "name": "has space"}, "name='has space'"),
+        ({"num_replicas": 2, "env": {"A": 1}}, "env['A']=1"),
+        ({"num_replicas": 2, "cpus_per_replica": float("nan")}, "cpus_per_replica=nan"),
+        ({"num_replicas": 2, "gpus_per_replica": float("inf")}, "gpus_per_replica=inf"),
+        ({"num_replicas": 2, "timeout": float("inf")}, "timeout=inf"),
+        ({"num_replicas": 2, "log_dir": 123}, "log_dir=123: must be True"),
+        # A huge count: a few divisors, found at once, in a short message.
+        ({"num_replicas": 10**12, "replicas_per_node": 7},
+         "valid: 1, 2, 4, 5, 8, 10, 16, ... 1000000000000 (169 in all)"),
+    ],
+)
+def test_bad_arguments_name_the_value_and_what_is_valid(kwargs, fragment):
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        distribute(len, **kwargs)
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert time.monotonic() - started < 1
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        distribute("not a function", num_replicas=0, name="")  # type: ignore[arg-type]
+    text = str(info.value)
+    assert "is not callable" in text
+    assert "num_replicas=0" in text
+    assert "name=''" in text

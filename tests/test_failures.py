@@ -1,0 +1,219 @@
+"""A call that fails: which rank's failure is the root cause, a rank that raises or crashes, a
+result that cannot be sent back, and the exit status of `orchestrator run`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import cloudpickle
+import pytest
+
+from orchestrator import DistributedError, distribute, errors
+from orchestrator.errors import is_secondary
+from orchestrator_workers.protocol import RankFailure
+from tests.conftest import wait_resources_back
+from tests.helpers import cli, show, write
+
+# --- the root cause, without Ray ----------------------------------------------------------
+
+
+def _failure(rank, when, exc, message=None):
+    return RankFailure(
+        rank=rank, local_rank=rank % 2, node_ip="10.0.0.1", hostname="h", pid=100 + rank,
+        time=when, exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        message=message or str(exc), traceback=f'  File "train.py", line 7\n{exc!r}\n',
+        exception=cloudpickle.dumps(exc),
+    )
+
+
+def test_secondary_errors_are_not_the_root_cause():
+    peer = _failure(0, 1.0, RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:123"))
+    root = _failure(3, 2.0, ValueError("boom"))
+    err = errors.distributed_error([peer, root])
+    assert err.root_cause.rank == 3
+    assert [f.rank for f in err.failures] == [3, 0]
+    assert isinstance(err, ValueError)
+    assert isinstance(err, DistributedError)
+    text = str(err)
+    assert text.startswith("rank 3 (local rank 1) on 10.0.0.1 (host h, pid 103) raised ValueError")
+    assert "1 other rank(s) failed after it" in text
+    assert "rank 0" in text.split("failed after it")[1]
+
+
+def test_earliest_failure_is_the_root_cause():
+    first = _failure(1, 1.0, KeyError("k"))
+    later = _failure(2, 5.0, ValueError("v"))
+    err = errors.distributed_error([later, first])
+    assert err.root_cause.rank == 1
+    assert isinstance(err, KeyError)
+    with pytest.raises(KeyError):
+        raise err
+
+
+def test_unpicklable_exception_type_still_gives_distributed_error():
+    failure = _failure(0, 1.0, ValueError("x"))
+    failure = RankFailure(**{**failure.__dict__, "exception": b"garbage"})
+    err = errors.distributed_error([failure])
+    assert type(err) is DistributedError
+    assert "raised ValueError: x" in str(err)
+
+
+# --- distribute() on the session's two-node cluster ---------------------------------------
+
+
+def _raise_on_rank_2() -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 2:
+        print("rank 2 about to fail")
+        raise ValueError("boom")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_rank_exception_raised_at_once_and_pool_recovers(cluster, capfd):
+    fn = distribute(_raise_on_rank_2, num_replicas=4, replicas_per_node=2)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="boom") as info:
+        fn()
+    assert time.monotonic() - started < 30
+    err = info.value
+    assert isinstance(err, DistributedError)
+    assert err.root_cause.rank == 2
+    assert 'raise ValueError("boom")' in str(err)
+    assert str(err).startswith("rank 2 (local rank 0)")
+    assert "[raise_on_rank_2 r2] rank 2 about to fail" in capfd.readouterr().out
+    # The peers' errors caused by rank 2 leaving are listed after it, never as the cause.
+    assert err.failures[0].rank == 2
+    secondary = err.failures[1:]
+    # gloo says "Connection closed by peer" or "Connection reset by peer", by timing.
+    assert secondary and all(is_secondary(f) for f in secondary), secondary
+    assert "other rank(s) failed after it" in str(err)
+
+    # The same function works again: the stuck pool was replaced.
+    fn.fn = lambda: int(os.environ["RANK"])
+    assert fn() == [0, 1, 2, 3]
+    fn.shutdown()
+    wait_resources_back()
+
+
+def _lock_on_rank_1():
+    import threading
+
+    return threading.Lock() if os.environ["RANK"] == "1" else int(os.environ["RANK"])
+
+
+def test_a_value_that_cannot_be_pickled_is_that_ranks_failure(cluster):
+    fn = distribute(_lock_on_rank_1, num_replicas=2, replicas_per_node=1)
+    with pytest.raises(DistributedError) as info:
+        fn()
+    assert info.value.root_cause.rank == 1
+    assert "cannot be sent to the driver" in str(info.value)
+    assert "lock" in str(info.value)  # the pickling error names the type
+    fn.fn = lambda: int(os.environ["RANK"])
+    assert fn() == [0, 1]
+    fn.shutdown()
+    wait_resources_back()
+
+
+@pytest.mark.parametrize("how", ["exit", "kill", "segfault"])
+def test_crashed_rank_is_reported_as_a_crash(cluster, capfd, how):
+    def die_on_rank_1(how: str) -> int:
+        if os.environ["RANK"] == "1":
+            print("last words of rank 1")
+            if how == "exit":
+                os._exit(3)
+            if how == "segfault":
+                import ctypes
+
+                ctypes.string_at(0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        return 0
+
+    fn = distribute(die_on_rank_1, num_replicas=4, replicas_per_node=2)
+    fn.fn = lambda how: 0  # start the pool first, so the timing below is the crash's alone
+    fn("warm")
+    fn.fn = die_on_rank_1
+    started = time.monotonic()
+    with pytest.raises(DistributedError) as info:
+        fn(how)
+    assert time.monotonic() - started < 10
+    assert info.value.root_cause.rank == 1
+    assert info.value.root_cause.exc_type == "crash"
+    text = str(info.value)
+    assert text.startswith("rank 1 (local rank 1)")
+    time.sleep(1)  # Ray's own notice of the death, if any, arrives by now
+    captured = capfd.readouterr()
+    assert "last words of rank 1" in captured.out  # shown though it died at once
+    if how == "exit":
+        assert "crashed: its process called os._exit(3)" in text
+    elif how == "segfault":
+        assert "crashed: its process died: Segmentation fault" in text
+        assert "ctypes.string_at(0)" in captured.err or "in die_on_rank_1" in captured.err
+    else:
+        assert "killed by a signal" in text
+    assert "A worker died" not in captured.out + captured.err  # we report it, Ray need not
+    fn.shutdown()
+    wait_resources_back()
+
+
+# --- `orchestrator run` on the session's cluster -------------------------------------------
+
+
+def test_failing_rank_root_cause_last_and_exit_zero_is_success(cluster, tmp_path):
+    project = write(
+        tmp_path / "p",
+        {
+            "fail.py": """\
+                import os, sys, time
+                rank = int(os.environ["RANK"])
+
+                def explode():
+                    raise ValueError("rank one is broken")
+
+                if rank == 0:
+                    print("rank 0 leaves with sys.exit(0)", flush=True)
+                    sys.exit(0)
+                time.sleep(0.5)
+                explode()
+            """
+        },
+    )
+    proc = cli(
+        f"run --nproc 2 --per-node 1 --address {cluster.address} fail.py",
+        cwd=project,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 1, show(proc)
+    assert "[fail r0] rank 0 leaves with sys.exit(0)" in proc.stdout
+    report = proc.stderr[proc.stderr.index("[orchestrator] the job failed: ") :]
+    assert report.splitlines()[0].endswith("raised ValueError: rank one is broken"), show(proc)
+    assert "rank 1 (local rank 0)" in report.splitlines()[0]
+    assert 'fail.py", line 5, in explode' in report
+    assert "other rank(s) failed" not in report  # rank 0's sys.exit(0) is no failure
+    assert "[fail r" not in report  # every line of the ranks came before it
+
+
+def test_exit_status_of_sys_exit_and_of_a_timeout(cluster, tmp_path):
+    project = write(
+        tmp_path / "p",
+        {
+            "three.py": "import sys\nsys.exit(3)\n",
+            "sleepy.py": "import time\nprint('asleep', flush=True)\ntime.sleep(600)\n",
+        },
+    )
+    proc = cli(f"run --nproc 1 --address {cluster.address} three.py", cwd=project, tmp=tmp_path)
+    assert proc.returncode == 3, show(proc)
+    assert "ScriptExit: the script called sys.exit(3)" in proc.stderr, show(proc)
+    proc = cli(
+        f"run --nproc 1 --address {cluster.address} --timeout 2 sleepy.py",
+        cwd=project,
+        tmp=tmp_path,
+    )
+    assert proc.returncode == 124, show(proc)
+    assert "the call did not finish within 2 s" in proc.stderr
+    assert "time.sleep(600)" in proc.stderr.split("did not finish")[1]
