@@ -5,9 +5,9 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
+import secrets
 import stat
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -170,7 +170,8 @@ class Console:
     def _file(self, rank: int) -> TextIO:
         if rank not in self._files:
             assert self.log_dir is not None
-            private_dirs(self.log_dir)
+            if not self._files:  # the first file of this attempt: its folder first
+                make_call_folder(self.log_dir)
             fd = _open_log(self.log_dir / f"rank-{rank}.log")
             self._files[rank] = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed by close_logs
         return self._files[rank]
@@ -242,17 +243,30 @@ def _is_tty(stream: TextIO) -> bool:
 
 
 def call_folder(base: Path, name: str) -> Path:
-    """A new folder for one call's rank logs in `base`/`name`: 0700, named unguessably.
+    """Where one call's rank logs go, in `base`/`name`: a new name (64 random bits) that
+    nobody can guess. Made on the first line written (`make_call_folder`): a call that
+    prints nothing leaves no folder."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(os.path.realpath(base / name)) / f"{stamp}-{secrets.token_hex(8)}"
+
+
+def make_call_folder(folder: Path) -> None:
+    """Make a call's log folder, 0700, unless its attempt before made it already.
 
     Another user must not be able to pre-create it, link it elsewhere or plant files in
-    it: `base` may be a shared place (/tmp/logs), so its folders are checked first.
+    it: its parent may be in a shared place (/tmp/logs), so the folders on the way are
+    checked first, and one found there must be this user's and private.
     """
-    why = private.unsafe(base / name)
+    why = private.unsafe(folder.parent)
     if why is not None:
-        raise private.UnsafeFolderError(unsafe_log_dir(base, why))
-    parent = Path(os.path.realpath(base / name))
-    private_dirs(parent)
-    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=parent))
+        raise private.UnsafeFolderError(unsafe_log_dir(folder.parent.parent, why))
+    private_dirs(folder.parent)
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        found = os.lstat(folder)
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+            raise private.UnsafeFolderError(f"{folder} was not made by this job") from None
 
 
 def unsafe_log_dir(base: Path, why: str) -> str:

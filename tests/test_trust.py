@@ -211,9 +211,13 @@ def test_a_call_s_log_folder_is_new_unguessable_and_its_files_made_new(open_dir:
     shared.mkdir()
     shared.chmod(0o1777)
     first, second = logs.call_folder(shared, "train"), logs.call_folder(shared, "train")
+    assert not first.exists()  # made on the first line written: a quiet call leaves none
+    logs.make_call_folder(first)
+    logs.make_call_folder(second)
+    logs.make_call_folder(first)  # a restart's attempt finds its own
     assert first != second and first.parent == second.parent == shared / "train"
     assert stat.S_IMODE(first.stat().st_mode) == 0o700
-    assert len(first.name.rsplit("-", 1)[1]) >= 8  # mkdtemp's random part
+    assert len(first.name.rsplit("-", 1)[1]) == 16  # 64 random bits
     planted = first / "rank-0.log"
     planted.write_text("")
     os.chown(planted, OTHER, OTHER)  # as if they had got in
