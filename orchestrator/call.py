@@ -41,6 +41,8 @@ from orchestrator_workers.protocol import (
 
 _GATHER_S = 0.3
 """After the first failure, how long to keep listening for the others' (for the report)."""
+_BATCH_S = 0.02
+"""Once a rank's run returned, how long to wait for the others' to take them together."""
 _FORGET_WAIT_S = 5.0
 """After a failure, how long to wait for stopped ranks to be gone before cleaning up."""
 
@@ -119,7 +121,12 @@ class Call:
         self.started = time.monotonic()
         self.time_limit = None if self.timeout is None else self.started + self.timeout
         quiet = sink is not None  # a notebook cell shows the ranks' table instead
-        self.status = None if quiet else StatusLine(pool.name, len(pool.actors), self.started)
+        self.status = None if quiet else StatusLine(
+            pool.name,
+            len(pool.actors),
+            self.started,
+            self._states,
+        )
 
     def wait(self) -> list[Any]:
         """Watch every rank until all are done or one failed; results by rank.
@@ -167,7 +174,7 @@ class Call:
             ready = _ready([*self.runs, *draining], min(wake) - now if wake else None)
             if self.stop.is_set():
                 raise StopRequested
-            self._take_all([ref for ref in ready if ref in self.runs])
+            self._take_all(self._finished(ready))
             for ref in ready:
                 if ref in draining:
                     self._show(draining[ref])
@@ -179,6 +186,11 @@ class Call:
         if any(f.rank == rank for f in self.failures):
             return State.FAILED
         return State.STOPPED if stopped else self.waits_on.get(rank) or State.RUNNING
+
+    def _states(self) -> list[tuple[int, str]]:
+        """Each rank's state now, by rank (for the status line)."""
+        ranks = range(len(self.pool.actors))
+        return [(rank, self.rank_state(rank, stopped=False)) for rank in ranks]
 
     def repair(self, attempt: int, *, settle_s: float) -> bool:
         """After this call failed: replace its broken ranks in the pool for attempt number
@@ -244,6 +256,21 @@ class Call:
             for rank, channel in enumerate(self.pool.channels)
             if rank not in self.dead
         }
+
+    def _finished(self, ready: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """The runs among `ready`, and those that end within a moment after them.
+
+        A job's ranks finish together: taking them in one batch costs one wait, where
+        taking each as it comes costs a wait and a pass over every rank each. A failure
+        is reported at most `_BATCH_S` later for it.
+        """
+        done = [ref for ref in ready if ref in self.runs]
+        if done and len(done) < len(self.runs):
+            taken = set(done)
+            rest = [ref for ref in self.runs if ref not in taken]
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=_BATCH_S)
+            done += more
+        return done
 
     def _take_all(self, refs: list[ray.ObjectRef]) -> None:
         """Take the outcomes of these finished runs, fetched together where all are there."""

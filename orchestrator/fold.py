@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 FOLD_WAIT_S = 0.5
@@ -292,6 +292,21 @@ class Folder:
                 self._in_traceback.discard(rank)
             return True
         return bool(_ALARM.search(line))
+
+
+def fold_lines(lines: Mapping[int, str]) -> list[Folded]:
+    """One line per shape of these ranks' `lines` (rank -> line), the most ranks first."""
+    folds: dict[tuple[str, ...], dict[int, tuple[str, ...]]] = {}
+    for rank, line in sorted(lines.items()):
+        pieces = _NUMBER.split(line)
+        folds.setdefault(tuple(pieces[::2]), {})[rank] = tuple(pieces[1::2])
+    shown = []
+    for parts, numbers in folds.items():
+        text = parts[0]
+        for column, part in zip(zip(*numbers.values(), strict=True), parts[1:], strict=True):
+            text += _span(column) + part
+        shown.append(Folded(tuple(numbers), "stdout", text))
+    return sorted(shown, key=lambda folded: (-len(folded.ranks), folded.ranks[0]))
 
 
 def _span(numbers: tuple[str, ...]) -> str:

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import messages
 from orchestrator.errors import describe, summary
+from orchestrator.fold import rank_label
 from orchestrator.logs import read_log
 from orchestrator.notebook import CellOutput, RankRow, Table
 from orchestrator.states import State
+from orchestrator.summary import SUMMARY_FROM_RANKS, states_line
 from orchestrator_workers.protocol import WAITING
 
 if TYPE_CHECKING:
@@ -60,10 +62,14 @@ class JobStatus:
     """One line per failed attempt: which rank, where, and why."""
 
     def __str__(self) -> str:
-        """E.g. 'train: running (r0 finished, r1 running)'."""
+        """E.g. 'train: running (r0 finished, r1 running)'; ranks in one state share a
+        part ('r5 failed, r0-4,6-127 stopped'), the fewest first."""
         detail = f"; {self.waiting_for}" if self.waiting_for else ""
         restarts = f", restarted {self.restarts}x" if self.restarts else ""
-        ranks = ", ".join(f"r{r.rank} {r.state}" for r in self.ranks)
+        if len(self.ranks) < SUMMARY_FROM_RANKS:
+            ranks = ", ".join(f"r{r.rank} {r.state}" for r in self.ranks)
+        else:
+            ranks = states_line((r.rank, r.state) for r in self.ranks)
         return f"{self.name}: {self.state}{detail}{restarts} ({ranks})"
 
 
@@ -159,7 +165,9 @@ class Job(Future[list[R]]):
         waiting = self._waiting_for if phase == PENDING else None
         stopped = [r.rank for r in ranks if r.state == WAITING]
         if stopped and phase == RUNNING:
-            which = f"rank {stopped[0]} waits" if len(stopped) == 1 else f"ranks {stopped} wait"
+            which = f"ranks {rank_label(stopped)} wait"
+            if len(stopped) == 1:
+                which = f"rank {stopped[0]} waits"
             waiting = f"{which} for a debugger (the attach command is in the output)"
         attempts = tuple(self._failed_attempts)
         return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts)
@@ -185,6 +193,8 @@ class Job(Future[list[R]]):
         ran = self._ran
         elapsed = (ran[1] if len(ran) > 1 else time.monotonic()) - ran[0] if ran else 0.0
         root = self._root_cause()
+        now = time.monotonic()
+        console = call.console if call is not None else None
         rows = [
             RankRow(
                 rank=r.rank,
@@ -192,8 +202,13 @@ class Job(Future[list[R]]):
                 state=r.state,
                 elapsed=elapsed,
                 restarts=status.restarts,
-                last_line=call.console.last_lines[r.rank] if call is not None else "",
+                last_line=console.last_lines[r.rank] if console is not None else "",
                 root_cause=root is not None and root.rank == r.rank,
+                silent_s=(
+                    now - console.last_times[r.rank]
+                    if console is not None and r.state == State.RUNNING
+                    else None
+                ),
             )
             for r in status.ranks
         ]

@@ -72,6 +72,8 @@ class Console:
         """Per rank, the last line it wrote (shown or not)."""
         self.last_output = time.monotonic()
         """When a rank last wrote anything (time.monotonic())."""
+        self.last_times = [self.last_output] * num_ranks
+        """Per rank, when it last wrote anything (from the call's start)."""
         self._streams: dict[tuple[int, str], _Stream] = {}
         self._files: dict[int, TextIO] = {}
         self._prefixes: dict[tuple[tuple[int, ...], bool], str] = {}
@@ -182,6 +184,7 @@ class Console:
         if not lines:
             return
         self.last_lines[rank] = lines[-1]
+        self.last_times[rank] = now
         if self.log_dir is not None:
             self._file(rank).write("".join(f"{line}\n" for line in lines))
         if self.show is not None and rank not in self.show:

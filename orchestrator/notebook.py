@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator import summary
+
 MAX_LINES = 1000
 """Lines a cell shows at most; older ones are only in the job's log files."""
 _UPDATE_S = 0.25
@@ -50,60 +52,109 @@ class RankRow:
     restarts: int
     last_line: str
     root_cause: bool = False
+    silent_s: float | None = None
+    """While it runs: how long since it last wrote anything."""
+
+
+_HEADER = ("rank", "node", "state", "elapsed", "restarts", "last output")
 
 
 @dataclass(frozen=True)
 class Table:
-    """A job's ranks as a table: the root cause's rank first, if one failed."""
+    """A job's ranks as a table: the root cause's rank first, if one failed.
+
+    From `summary.SUMMARY_FROM_RANKS` ranks it shows groups of ranks (by state and
+    node, the odd ones first); `full=True` shows a row per rank anyway.
+    """
 
     title: str
     rows: tuple[RankRow, ...]
     cause: str | None = None
     """The root cause, in one line, when the job failed."""
 
-    def text(self, output: Sequence[str] = ()) -> str:
-        """Plain text: title, root cause, one line per rank, then `output`."""
-        lines = [self.title] + ([f"root cause: {self.cause}"] if self.cause else [])
-        header = ("rank", "node", "state", "elapsed", "restarts", "last output")
-        cells = [header] + [
-            (
-                f"r{r.rank}",
-                r.node,
-                r.state + (" (root cause)" if r.root_cause else ""),
-                clock(r.elapsed),
-                str(r.restarts),
-                r.last_line[:80],
-            )
+    def summarized(self, full: bool | None = None) -> bool:
+        """Whether it shows groups rather than a row per rank (`full`: None, by its size)."""
+        return not full and len(self.rows) >= summary.SUMMARY_FROM_RANKS
+
+    def groups(self) -> list[summary.Group]:
+        """Its ranks grouped by state and node, odd ones first (see orchestrator.summary)."""
+        views = [
+            summary.RankView(r.rank, r.node, r.state, r.last_line, r.root_cause, r.silent_s)
             for r in self.rows
         ]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(header) - 1)]
+        return summary.group(views)
+
+    def text(self, output: Sequence[str] = (), *, full: bool | None = None) -> str:
+        """Plain text: title, root cause, its rows (see `summarized`), then `output`."""
+        lines = [self.title] + ([f"root cause: {self.cause}"] if self.cause else [])
+        cells = [_HEADER, *self._cells(full, width=80)]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADER) - 1)]
         for row in cells:
             head = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
             lines.append(f"{head}  {row[-1]}".rstrip())
+        if self.summarized(full):
+            lines.append(f"(a row per rank: job.table().text(full=True), {len(self.rows)} rows)")
         return "\n".join([*lines, *output])
 
-    def html(self, output: Sequence[str] = ()) -> str:
-        """HTML: the same, failed ranks marked in red, `output` below in a <pre>."""
+    def html(self, output: Sequence[str] = (), *, full: bool | None = None) -> str:
+        """HTML: the same, failed ranks marked in red, `output` below in a <pre>; a
+        summary keeps the per-rank rows one click away (a closed <details>)."""
         esc = html.escape
         parts = [f"<div><b>{esc(self.title)}</b>"]
         if self.cause:
             parts.append(f'<div style="color:#b00020"><b>root cause:</b> {esc(self.cause)}</div>')
-        parts.append(
-            "<table><tr><th>rank</th><th>node</th><th>state</th><th>elapsed</th>"
-            "<th>restarts</th><th>last output</th></tr>"
-        )
-        for r in self.rows:
-            failed = ' style="color:#b00020;font-weight:bold"' if r.state == "failed" else ""
-            cause = " (root cause)" if r.root_cause else ""
+        parts.append(self._html_table(full))
+        if self.summarized(full):
             parts.append(
-                f"<tr{failed}><td>r{r.rank}</td><td>{esc(r.node)}</td>"
-                f"<td>{esc(r.state)}{cause}</td><td>{clock(r.elapsed)}</td>"
-                f"<td>{r.restarts}</td><td><code>{esc(r.last_line[:120])}</code></td></tr>"
+                f"<details><summary>every rank ({len(self.rows)} rows)</summary>"
+                f"{self._html_table(True)}</details>"
             )
-        parts.append("</table>")
         if output:
             parts.append(f"<pre>{esc(chr(10).join(output))}</pre>")
         return "".join([*parts, "</div>"])
+
+    def _html_table(self, full: bool | None) -> str:
+        esc = html.escape
+        head = "".join(f"<th>{name}</th>" for name in _HEADER)
+        rows = [f"<table><tr>{head}</tr>"]
+        for cells, failed in zip(self._cells(full, width=120), self._failed(full), strict=True):
+            style = ' style="color:#b00020;font-weight:bold"' if failed else ""
+            *first, last = (esc(cell) for cell in cells)
+            row = "".join(f"<td>{cell}</td>" for cell in first)
+            rows.append(f"<tr{style}>{row}<td><code>{last}</code></td></tr>")
+        return "".join([*rows, "</table>"])
+
+    def _failed(self, full: bool | None) -> list[bool]:
+        if self.summarized(full):
+            return [g.state == "failed" for g in self.groups()]
+        return [r.state == "failed" for r in self.rows]
+
+    def _cells(self, full: bool | None, width: int) -> list[tuple[str, ...]]:
+        if not self.summarized(full):
+            return [
+                (
+                    f"r{r.rank}",
+                    r.node,
+                    r.state + (" (root cause)" if r.root_cause else ""),
+                    clock(r.elapsed),
+                    str(r.restarts),
+                    r.last_line[:width],
+                )
+                for r in self.rows
+            ]
+        elapsed = clock(self.rows[0].elapsed) if self.rows else ""
+        restarts = str(self.rows[0].restarts) if self.rows else ""
+        return [
+            (
+                g.label,
+                g.where,
+                g.state + (" (root cause)" if g.root_cause else ""),
+                elapsed,
+                restarts,
+                g.last_line[:width],
+            )
+            for g in self.groups()
+        ]
 
 
 class CellOutput:

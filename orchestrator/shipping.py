@@ -214,6 +214,12 @@ def is_local(module: types.ModuleType) -> bool:
     file = getattr(module, "__file__", None)
     if not file or name == "__main__" or name.split(".")[0] in _OURS:
         return False
+    return _local_file(file)
+
+
+@functools.lru_cache(maxsize=8192)
+def _local_file(file: str) -> bool:
+    """Whether the module file `file` is outside the installed packages' folders."""
     path = str(Path(file).resolve())
     return not path.startswith(_INSTALLED) and "site-packages" not in path
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterable
 
 from orchestrator import messages
 from orchestrator.notebook import clock
+from orchestrator.summary import states_line
 
 logger = logging.getLogger("orchestrator.status")
 QUIET_S = 10.0
@@ -33,11 +35,19 @@ def enabled() -> bool:
 class StatusLine:
     """The status line of one call of job `name` on `num_ranks` ranks, started at `started`."""
 
-    def __init__(self, name: str, num_ranks: int, started: float) -> None:
-        """A line not shown yet; `tick` decides when."""
+    def __init__(
+        self,
+        name: str,
+        num_ranks: int,
+        started: float,
+        states: Callable[[], Iterable[tuple[int, str]]] | None = None,
+    ) -> None:
+        """A line not shown yet; `tick` decides when. `states()`: each rank's state, by
+        rank; where they differ, the line says which ranks are in which."""
         self.name = name
         self.num_ranks = num_ranks
         self.started = started
+        self._states = states
         self._shown_at: float | None = None
         self._in_place: bool | None = None
         """Whether stderr is a terminal: asked once the line is first due (a call costs less)."""
@@ -59,8 +69,12 @@ class StatusLine:
         if self._shown_at is not None and now < self._shown_at + every:
             return self._shown_at + every
         self._shown_at = now
+        states = list(self._states()) if self._states is not None else []
+        running = f"{self.num_ranks} ranks running"
+        if len({state for _, state in states}) > 1:  # e.g. one waits for a debugger
+            running = f"{self.num_ranks} ranks ({states_line(states)})"
         text = (
-            f"{self.num_ranks} ranks running {clock(now - self.started)}; "
+            f"{running} {clock(now - self.started)}; "
             f"last output {clock(now - quiet_since)} ago"
         )
         messages.emit(logger, logging.INFO, f"[{self.name}] {text}", in_place=in_place)

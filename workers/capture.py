@@ -21,6 +21,7 @@ _READ = 1 << 16
 _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
 _BUFFER_LIMIT = 64 << 20  # undrained bytes kept; older ones are dropped with a notice
 _EXIT_GRACE_S = 1.0  # how long os._exit waits for the driver to take the last output
+_SYNC_LIMIT_S = 5.0  # how long sync reads a pipe that is never dry
 
 
 _active: Capture | None = None
@@ -48,8 +49,7 @@ class Capture:
         self._chunks: list[OutputChunk] = []
         self._buffered = 0
         self._seq = 0
-        self._asked = 0  # sync generation requested
-        self._done = 0  # sync generation completed
+        self._reading = threading.Lock()  # one reader of the pipes at a time: seqs in order
         self._pipes: dict[int, str] = {}
         for fd, stream in ((1, "stdout"), (2, "stderr")):
             read_end, write_end = os.pipe()
@@ -58,8 +58,6 @@ class Capture:
             os.close(write_end)
             self._pipes[read_end] = stream
         self._tee = self._lifeline = -1
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
         for console in (sys.stdout, sys.stderr):
             reconfigure = getattr(console, "reconfigure", None)  # a TextIOWrapper's, or alike
             if callable(reconfigure):
@@ -134,7 +132,7 @@ class Capture:
         its last data loader worker does), and SIGTERM kills it as it would kill a
         child of a torchrun worker, instead of running Ray's handler for the actor.
         """
-        for fd in (*self._pipes, self._wake_r, self._wake_w, self._tee, self._lifeline):
+        for fd in (*self._pipes, self._tee, self._lifeline):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -151,31 +149,31 @@ class Capture:
         return chunks
 
     def sync(self) -> int:
-        """Flush Python's buffers, wait until the pipes are read dry; the last chunk's seq."""
+        """Flush Python's buffers, read the pipes dry; the last chunk's seq.
+
+        In the calling thread (a handoff to the reading thread can take milliseconds on
+        a busy node); a writer that never stops (a child flooding) gets 5 s.
+        """
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        deadline = time.monotonic() + _SYNC_LIMIT_S
+        with self._reading:
+            while not self._sweep_all() and time.monotonic() < deadline:
+                pass
         with self._cond:
-            self._asked += 1
-            wanted = self._asked
-        os.write(self._wake_w, b"x")
-        with self._cond:
-            self._cond.wait_for(lambda: self._done >= wanted, timeout=5)
             return self._seq
 
     def _pump(self) -> None:
-        watched = [*self._pipes, self._wake_r]
+        watched = list(self._pipes)
         while True:
             select.select(watched, [], [])
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
-            with self._cond:
-                asked = self._asked  # read before the sweep: all written before it is caught
-            dry = all(self._sweep(fd, stream) for fd, stream in self._pipes.items())
-            if dry:
-                with self._cond:
-                    self._done = max(self._done, asked)
-                    self._cond.notify_all()
+            with self._reading:
+                self._sweep_all()
+
+    def _sweep_all(self) -> bool:
+        """Read what both pipes hold now (the caller holds `_reading`); True if dry."""
+        return all([self._sweep(fd, stream) for fd, stream in self._pipes.items()])
 
     def _sweep(self, fd: int, stream: str) -> bool:
         """Read what `fd` holds now; True if it ran dry."""

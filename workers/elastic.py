@@ -18,19 +18,31 @@ from orchestrator_workers import private
 VAR = "TORCHELASTIC_ERROR_FILE"
 
 
+_known: dict[int, str] = {}
+"""This process's error file, once its folder was made or checked (by pid: a fork's differs)."""
+
+
 def error_file() -> str:
     """This rank process's error file, in this user's own folder ("" where it has none)."""
+    pid = os.getpid()
+    known = _known.get(pid)
+    # Checked once: no other user can remove this user's 0700 folder from a sticky
+    # temp dir to plant their own; if it is gone (a cleaner), it is made and checked anew.
+    if known and os.path.isdir(os.path.dirname(known)):
+        return known
     try:
-        return str(private.folder() / f"torchelastic-error-{os.getpid()}.json")
+        path = str(private.folder() / f"torchelastic-error-{pid}.json")
     except OSError:  # a folder another user made: torchrun's "" (no file) then
         return ""
+    _known[pid] = path
+    return path
 
 
 def forget(path: str) -> None:
     """Remove an earlier call's error file before the next call runs (ours only)."""
-    if path and Path(path).name.startswith("torchelastic-error-"):
+    if path and os.path.basename(path).startswith("torchelastic-error-"):
         with contextlib.suppress(OSError):
-            Path(path).unlink()
+            os.unlink(path)
 
 
 @dataclass(frozen=True)

@@ -140,9 +140,24 @@ def rank_env(spec: RankSpec, error_file: str = "") -> dict[str, str]:
     return env
 
 
+def _update_environ(env: dict[str, str]) -> None:
+    """Set `env` in os.environ, skipping what holds its value already (a warm call changes
+    one or two; each os.environ read or write encodes, and a write calls putenv)."""
+    environ: Any = os.environ
+    raw = getattr(environ, "_data", None)  # CPython's: encoded, as the OS has it
+    encode = getattr(environ, "encodevalue", None)
+    if not isinstance(raw, dict) or encode is None or environ.encodekey is not encode:
+        environ.update(env)
+        return
+    for name, value in env.items():
+        encoded = encode(value)
+        if raw.get(encode(name)) != encoded:
+            environ[name] = value
+
+
 def apply(spec: RankSpec) -> None:
     """Set this process's environment for `spec` and bind its GPU, before user code."""
-    os.environ.update(rank_env(spec, elastic.error_file()))
+    _update_environ(rank_env(spec, elastic.error_file()))
     if spec.workdir and os.path.isdir(spec.workdir):
         os.chdir(spec.workdir)
     # breakpoint() opens a pdb the driver's machine can attach to (Ray installs its

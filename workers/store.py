@@ -10,6 +10,8 @@ the call is done.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
 import socket
 import sys
@@ -17,9 +19,6 @@ import threading
 from typing import Any
 
 from orchestrator_workers import _compat
-
-_WATCH_S = 0.2
-"""How often a store not yet made looks whether its call ended."""
 
 
 def reserve_port(host: str, port: int = 0) -> socket.socket:
@@ -46,7 +45,7 @@ class StoreServer:
         if "torch.distributed" in sys.modules:
             self._make()
         else:
-            threading.Thread(target=self._watch, name="store watch", daemon=True).start()
+            _watcher.watch(self)
 
     @property
     def made(self) -> bool:
@@ -59,23 +58,10 @@ class StoreServer:
         with self._lock:
             self._closed = True
             self._store = None
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
-
-    def _watch(self) -> None:
-        while True:
-            with self._lock:
-                sock = None if self._closed or self._store is not None else self._sock
-            if sock is None:
-                return
-            try:
-                ready, _, _ = select.select([sock], [], [], _WATCH_S)
-            except (OSError, ValueError):  # closed meanwhile
-                return
-            if ready:
-                self._make()
-                return
+            sock, self._sock = self._sock, None
+        _watcher.forget(self)  # before the socket closes: its fd number may be reused
+        if sock is not None:
+            sock.close()
 
     def _make(self) -> None:
         with self._lock:
@@ -83,3 +69,56 @@ class StoreServer:
                 return
             sock, self._sock = self._sock, None
             self._store = _compat.serve_store(sock)  # it takes the socket over
+
+
+class _Watcher:
+    """One thread per rank process that makes a store when its first rank connects.
+
+    Started on first need and kept: a call costs no thread start (which, on a busy node,
+    can take milliseconds before the new thread runs).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._servers: dict[int, StoreServer] = {}  # listening fd -> server
+        self._wake_r = self._wake_w = -1
+
+    def watch(self, server: StoreServer) -> None:
+        """Make `server`'s store as soon as a connection is waiting on its socket."""
+        with self._lock:
+            sock = server._sock
+            if sock is None:
+                return
+            self._servers[sock.fileno()] = server
+            if self._wake_w < 0:
+                self._wake_r, self._wake_w = os.pipe()
+                os.set_blocking(self._wake_r, False)
+                threading.Thread(target=self._run, name="store watch", daemon=True).start()
+        os.write(self._wake_w, b"x")
+
+    def forget(self, server: StoreServer) -> None:
+        """Stop watching `server` (it is closing); the thread selects anew without it."""
+        with self._lock:
+            for fd, known in list(self._servers.items()):
+                if known is server:
+                    del self._servers[fd]
+                    os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                fds = [self._wake_r, *self._servers]
+            try:
+                ready, _, _ = select.select(fds, [], [])
+            except (OSError, ValueError):  # a socket closed meanwhile: look again
+                continue
+            with self._lock:
+                if self._wake_r in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                found = [self._servers.pop(fd) for fd in ready if fd in self._servers]
+            for server in found:
+                server._make()
+
+
+_watcher = _Watcher()
