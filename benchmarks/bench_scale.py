@@ -90,7 +90,7 @@ def _uss_mb() -> float:
 class _Floor:
     """N plain Ray actors in a placement group shaped as ours: Ray's own floor."""
 
-    def __init__(self, ranks: int, load_torch: bool) -> None:
+    def __init__(self, ranks: int, load_torch: bool, fan_out: bool = False) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -120,6 +120,7 @@ class _Floor:
                 os.environ.update(env)
                 return cloudpickle.loads(fn_bytes)(steps)
 
+        _Leader = _leader_class()
         self.pg = placement_group([{"CPU": PER_NODE}] * (ranks // PER_NODE), "STRICT_SPREAD")
         ray.get(self.pg.ready())
         self.actors = [
@@ -132,6 +133,16 @@ class _Floor:
         ]
         self.gloo = load_torch
         self.master = ray.get(self.actors[0].node_ip.remote()) if load_torch else ""
+        self.leaders: list[Any] = []
+        if fan_out:  # one more actor per node, which calls that node's ranks
+            self.leaders = [
+                _Leader.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.pg, placement_group_bundle_index=node
+                    )
+                ).remote(self.actors[node * PER_NODE : (node + 1) * PER_NODE])
+                for node in range(ranks // PER_NODE)
+            ]
 
     def __call__(self, fn: Callable[[int], int], steps: int = 0) -> list[Any]:
         import cloudpickle
@@ -150,6 +161,12 @@ class _Floor:
             for rank in range(size)
         ]
         data = cloudpickle.dumps(fn)
+        if self.leaders:
+            parts = [
+                leader.run.remote(data, envs[node * PER_NODE : (node + 1) * PER_NODE], steps)
+                for node, leader in enumerate(self.leaders)
+            ]
+            return [value for part in ray.get(parts) for value in part]
         refs = [a.run.remote(data, env, steps) for a, env in zip(self.actors, envs, strict=True)]
         return ray.get(refs)
 
@@ -163,8 +180,27 @@ class _Floor:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.pg)
-        for actor in self.actors:
+        for actor in [*self.actors, *self.leaders]:
             ray.kill(actor)
+
+
+class _LeaderImpl:
+    """Per-node fan-out: the driver calls one of these per node, it calls the node's ranks."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        self.actors = actors
+
+    def run(self, data: bytes, envs: list[dict[str, str]], steps: int) -> list[Any]:
+        import ray
+
+        refs = [a.run.remote(data, env, steps) for a, env in zip(self.actors, envs, strict=True)]
+        return ray.get(refs)
+
+
+def _leader_class() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0)(_LeaderImpl)
 
 
 @dataclass(frozen=True)
@@ -172,7 +208,7 @@ class Run:
     """What one driver process measures."""
 
     kind: str
-    """"ours" or "floor"."""
+    """"ours", "floor" or "fanout" (the floor with a per-node fan-out)."""
     address: str
     ranks: int
     mode: str
@@ -198,7 +234,7 @@ def drive(run: Run) -> dict:
     import ray
 
     job = JOBS[mode]
-    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=kind == "floor")
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=kind != "ours")
     started = time.perf_counter()
     if kind == "ours":
         from orchestrator import distribute
@@ -214,7 +250,7 @@ def drive(run: Run) -> dict:
         call: Callable[[int], list[Any]] = fn
         first = call(0)
     else:
-        floor = _Floor(ranks, load_torch=mode == "gloo")
+        floor = _Floor(ranks, load_torch=mode == "gloo", fan_out=kind == "fanout")
         first = floor(job)
 
         def call(steps: int) -> list[Any]:
@@ -234,7 +270,7 @@ def drive(run: Run) -> dict:
     steps = int(print_s * PRINT_HZ)
     cpu, wall = time.process_time(), time.perf_counter()
     call(steps)
-    if kind == "floor":
+    if kind != "ours":
         time.sleep(1.0)  # Ray's log monitor forwards lines up to a moment later
     print_wall = time.perf_counter() - wall
     print_cpu = time.process_time() - cpu
@@ -297,6 +333,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30, help="warm calls per driver")
     parser.add_argument("--quick", action="store_true", help="few calls, one driver each")
     parser.add_argument("--print-s", type=float, default=3.0, help="seconds of printing")
+    parser.add_argument("--no-fan-out", dest="fan_out", action="store_false",
+                        help="skip Ray's floor with a per-node fan-out")
     parser.add_argument("--driver", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, help=argparse.SUPPRESS)
@@ -329,6 +367,10 @@ def main() -> None:
                               file=sys.stderr, flush=True)
                         run = Run(kind, cluster.address, size, mode, calls, args.print_s)
                         found[kind].append(_run_driver(run))
+                if mode == "rank" and args.fan_out:
+                    print(f"[bench] {size} ranks, {mode}, fanout", file=sys.stderr, flush=True)
+                    run = Run("fanout", cluster.address, size, mode, calls, args.print_s)
+                    found["fanout"] = [_run_driver(run)]
                 rows.append({"size": size, "mode": mode, "calls": calls, **found})
         finally:
             cluster.shutdown()
@@ -375,6 +417,16 @@ def _report(rows: list[dict], took: float) -> None:
             f"{ours['uss']:.0f}/{floor['uss']:.0f}", f"{ours['pss']:.0f}/{floor['pss']:.0f}",
             f"{ours['print']:.0%}/{floor['print']:.0%}", f"{ours['lines']} / {floor['lines']}",
         ]))
+    fanned = [(row, _merge(row["fanout"])) for row in rows if row.get("fanout")]
+    if fanned:
+        print("\nRay's floor with a per-node fan-out (the driver calls one actor per node, "
+              "which calls that node's 8 ranks), rank-only job:")
+        print("ranks | nodes | warm med fan-out / direct floor | drv CPU/call fan-out / direct")
+        for row, fan in fanned:
+            direct = _merge(row["floor"])
+            print(f"{row['size']} | {row['size'] // PER_NODE} | {fan['warm'] * 1e3:.1f} / "
+                  f"{direct['warm'] * 1e3:.1f} ms | {fan['cpu'] * 1e3:.1f} / "
+                  f"{direct['cpu'] * 1e3:.1f} ms")
     _project([m for m in merged if m[0]["mode"] == "rank"])
     print(f"\n(run took {took / 60:.1f} min)")
 

@@ -19,6 +19,10 @@ from orchestrator_workers.protocol import OutputChunk
 
 DRAIN_POLL_S = 30.0
 """How long one output request waits on an idle rank before returning empty."""
+DRAIN_GATHER_S = 0.1
+"""Once a rank prints, how long its output request waits for more before returning: a
+rank printing every step then costs the driver ten requests a second, not one a line.
+The call's end returns it at once."""
 STACKS_WAIT_S = 3.0
 """How long to wait for the ranks' stacks before reporting without them."""
 
@@ -36,7 +40,7 @@ class RankChannel:
     def request(self) -> ray.ObjectRef:
         """The output request in flight, made now if there is none."""
         if self.drain is None:
-            self.drain = self.actor.drain.remote(DRAIN_POLL_S)
+            self.drain = self.actor.drain.remote(DRAIN_POLL_S, DRAIN_GATHER_S)
         return self.drain
 
     def take(self) -> list[OutputChunk]:

@@ -109,9 +109,10 @@ class RankActor:
         )
 
     @ray.method(concurrency_group="control")
-    def drain(self, timeout: float) -> list[OutputChunk]:
-        """Output not yet sent to the driver, waiting up to `timeout` s for some."""
-        return self._capture.drain(timeout)
+    def drain(self, timeout: float, gather: float = 0.0) -> list[OutputChunk]:
+        """Output not yet sent to the driver, waiting up to `timeout` s for some, then up
+        to `gather` s for more (see Capture.drain)."""
+        return self._capture.drain(timeout, gather)
 
     @ray.method(concurrency_group="control")
     def stacks(self) -> str:

@@ -22,6 +22,7 @@ _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the
 _BUFFER_LIMIT = 64 << 20  # undrained bytes kept; older ones are dropped with a notice
 _EXIT_GRACE_S = 1.0  # how long os._exit waits for the driver to take the last output
 _SYNC_LIMIT_S = 5.0  # how long sync reads a pipe that is never dry
+_GATHER_BYTES = 1 << 20  # a drain gathering output returns once this much waits
 
 
 _active: Capture | None = None
@@ -50,6 +51,7 @@ class Capture:
         self._buffered = 0
         self._seq = 0
         self._reading = threading.Lock()  # one reader of the pipes at a time: seqs in order
+        self._syncs = 0  # how many syncs there were: a drain gathering output stops at one
         self._pipes: dict[int, str] = {}
         for fd, stream in ((1, "stdout"), (2, "stderr")):
             read_end, write_end = os.pipe()
@@ -139,11 +141,20 @@ class Capture:
         with contextlib.suppress(ValueError, OSError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    def drain(self, timeout: float) -> list[OutputChunk]:
-        """Chunks not yet drained, waiting up to `timeout` s for the first one."""
+    def drain(self, timeout: float, gather: float = 0.0) -> list[OutputChunk]:
+        """Chunks not yet drained, waiting up to `timeout` s for the first one.
+
+        Then up to `gather` s more while more come, so that a rank printing a line per
+        step costs the driver a request per `gather`, not per line; a sync (the call's
+        end, a debugger's notice), an exit or `_GATHER_BYTES` waiting end it at once.
+        """
         with self._cond:
-            # wait_for: the condition is also notified for syncs, which bring no output.
             self._cond.wait_for(lambda: self._chunks, timeout)
+            if self._chunks and gather > 0:
+                synced = self._syncs
+                self._cond.wait_for(
+                    lambda: self._syncs != synced or self._buffered >= _GATHER_BYTES, gather
+                )
             chunks, self._chunks, self._buffered = self._chunks, [], 0
             self._cond.notify_all()  # os._exit may be waiting for this
         return chunks
@@ -162,6 +173,8 @@ class Capture:
             while not self._sweep_all() and time.monotonic() < deadline:
                 pass
         with self._cond:
+            self._syncs += 1
+            self._cond.notify_all()  # a drain gathering more returns what it has
             return self._seq
 
     def _pump(self) -> None:
@@ -192,6 +205,8 @@ class Capture:
 
     def _append(self, stream: str, data: bytes) -> None:
         with self._cond:
+            if stream not in STREAMS:  # an exit status or a state: no gathering after it
+                self._syncs += 1
             self._seq += 1
             self._chunks.append(OutputChunk(self._seq, stream, data))
             if self._tee >= 0 and stream in STREAMS:
