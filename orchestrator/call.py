@@ -41,8 +41,8 @@ from orchestrator_workers.protocol import (
 
 _GATHER_S = 0.3
 """After the first failure, how long to keep listening for the others' (for the report)."""
-_BATCH_S = 0.02
-"""Once a rank's run returned, how long to wait for the others' to take them together."""
+_POLL_S = 0.1
+"""While ranks run, how often the driver looks at their runs and their output together."""
 _FORGET_WAIT_S = 5.0
 """After a failure, how long to wait for stopped ranks to be gone before cleaning up."""
 
@@ -171,13 +171,33 @@ class Call:
             draining = self._request_output()
             status = self.status.tick(now, console.last_output) if self.status else None
             wake = [t for t in (self.gather_until, self.time_limit, console.tick(now), status) if t]
-            ready = _ready([*self.runs, *draining], min(wake) - now if wake else None)
+            wait_s = min(wake) - now if wake else None
+            if self.runs:
+                finished, shown = self._wait_runs(wait_s, draining)
+            else:  # only output owed: wait for it
+                finished, shown = [], _ready(list(draining), wait_s)
             if self.stop.is_set():
                 raise StopRequested
-            self._take_all(self._finished(ready))
-            for ref in ready:
-                if ref in draining:
-                    self._show(draining[ref])
+            self._take_all(finished)
+            for ref in shown:
+                self._show(draining[ref])
+
+    def _wait_runs(
+        self, wait_s: float | None, draining: dict[ray.ObjectRef, int]
+    ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
+        """Runs finished within `wait_s` (or `_POLL_S`), and the output requests ready.
+
+        One wait for every run (a job's ranks end together: one wait takes them all)
+        and one look at the output requests, each pass: a wait for the first of all the
+        refs would return once per rank, each time a pass over every rank. A failure or
+        a line is seen at most `_POLL_S` late.
+        """
+        runs = list(self.runs)
+        timeout = _POLL_S if wait_s is None else max(0.0, min(wait_s, _POLL_S))
+        finished, _ = ray.wait(runs, num_returns=len(runs), timeout=timeout)
+        refs = list(draining)
+        shown, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        return finished, shown
 
     def rank_state(self, rank: int, *, stopped: bool) -> str:
         """finished, failed, running (or what it waits on); `stopped` when the call ended."""
@@ -256,21 +276,6 @@ class Call:
             for rank, channel in enumerate(self.pool.channels)
             if rank not in self.dead
         }
-
-    def _finished(self, ready: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """The runs among `ready`, and those that end within a moment after them.
-
-        A job's ranks finish together: taking them in one batch costs one wait, where
-        taking each as it comes costs a wait and a pass over every rank each. A failure
-        is reported at most `_BATCH_S` later for it.
-        """
-        done = [ref for ref in ready if ref in self.runs]
-        if done and len(done) < len(self.runs):
-            taken = set(done)
-            rest = [ref for ref in self.runs if ref not in taken]
-            more, _ = ray.wait(rest, num_returns=len(rest), timeout=_BATCH_S)
-            done += more
-        return done
 
     def _take_all(self, refs: list[ray.ObjectRef]) -> None:
         """Take the outcomes of these finished runs, fetched together where all are there."""
