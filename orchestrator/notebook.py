@@ -87,7 +87,7 @@ class Table:
     def text(self, output: Sequence[str] = (), *, full: bool | None = None) -> str:
         """Plain text: title, root cause, its rows (see `summarized`), then `output`."""
         lines = [self.title] + ([f"root cause: {self.cause}"] if self.cause else [])
-        cells = [_HEADER, *self._cells(full, width=80)]
+        cells = [_HEADER, *(row for row, _ in self._cells(full, width=80))]
         widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADER) - 1)]
         for row in cells:
             head = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
@@ -117,28 +117,27 @@ class Table:
         esc = html.escape
         head = "".join(f"<th>{name}</th>" for name in _HEADER)
         rows = [f"<table><tr>{head}</tr>"]
-        for cells, failed in zip(self._cells(full, width=120), self._failed(full), strict=True):
+        for cells, failed in self._cells(full, width=120):
             style = ' style="color:#b00020;font-weight:bold"' if failed else ""
             *first, last = (esc(cell) for cell in cells)
             row = "".join(f"<td>{cell}</td>" for cell in first)
             rows.append(f"<tr{style}>{row}<td><code>{last}</code></td></tr>")
         return "".join([*rows, "</table>"])
 
-    def _failed(self, full: bool | None) -> list[bool]:
-        if self.summarized(full):
-            return [g.state == "failed" for g in self.groups()]
-        return [r.state == "failed" for r in self.rows]
-
-    def _cells(self, full: bool | None, width: int) -> list[tuple[str, ...]]:
+    def _cells(self, full: bool | None, width: int) -> list[tuple[tuple[str, ...], bool]]:
+        """Each row's cells, and whether it shows failed ranks."""
         if not self.summarized(full):
             return [
                 (
-                    f"r{r.rank}",
-                    r.node,
-                    r.state + (" (root cause)" if r.root_cause else ""),
-                    clock(r.elapsed),
-                    str(r.restarts),
-                    r.last_line[:width],
+                    (
+                        f"r{r.rank}",
+                        r.node,
+                        r.state + (" (root cause)" if r.root_cause else ""),
+                        clock(r.elapsed),
+                        str(r.restarts),
+                        r.last_line[:width],
+                    ),
+                    r.state == "failed",
                 )
                 for r in self.rows
             ]
@@ -146,12 +145,15 @@ class Table:
         restarts = str(self.rows[0].restarts) if self.rows else ""
         return [
             (
-                g.label,
-                g.where,
-                g.state + (" (root cause)" if g.root_cause else ""),
-                elapsed,
-                restarts,
-                g.last_line[:width],
+                (
+                    g.label,
+                    g.where,
+                    g.state + (" (root cause)" if g.root_cause else ""),
+                    elapsed,
+                    restarts,
+                    g.last_line[:width],
+                ),
+                g.state == "failed",
             )
             for g in self.groups()
         ]

@@ -68,21 +68,21 @@ def group(ranks: Sequence[RankView]) -> list[Group]:
         return []
     usual = Counter(r.state for r in ranks).most_common(1)[0][0]
     silent = _silent(ranks)
-    buckets: dict[tuple[str, bool, str], list[RankView]] = {}
+    buckets: dict[tuple[str, bool, bool, str], list[RankView]] = {}
     for r in ranks:
         state = f"{r.state} (silent {r.silent_s:.0f} s)" if r.rank in silent else r.state
         odd = state != usual or r.root_cause
-        buckets.setdefault((state, r.root_cause, r.node if odd else ""), []).append(r)
+        buckets.setdefault((state, r.root_cause, odd, r.node if odd else ""), []).append(r)
     groups = [
         Group(
             state=state,
             ranks=tuple(r.rank for r in members),
             nodes=tuple(dict.fromkeys(r.node for r in members)),
             last_line=_last_line(members),
-            odd=state != usual or cause,
+            odd=odd,
             root_cause=cause,
         )
-        for (state, cause, _), members in buckets.items()
+        for (state, cause, odd, _), members in buckets.items()
     ]
     groups.sort(key=lambda g: (not g.root_cause, not g.odd, len(g.ranks), g.ranks[0]))
     return groups
@@ -100,7 +100,7 @@ def states_line(states: Iterable[tuple[int, str]]) -> str:
 def _silent(ranks: Sequence[RankView]) -> set[int]:
     """Running ranks quiet for SILENT_S while most running peers wrote within it."""
     running = [r for r in ranks if r.silent_s is not None]
-    quiet = {r.rank for r in running if r.silent_s is not None and r.silent_s >= SILENT_S}
+    quiet = {r.rank for r in running if (r.silent_s or 0.0) >= SILENT_S}
     return quiet if quiet and len(quiet) * 2 < len(running) else set()
 
 

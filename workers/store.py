@@ -72,24 +72,22 @@ class StoreServer:
 
 
 class _Watcher:
-    """One thread per rank process that makes a store when its first rank connects.
+    """One thread per rank process that makes its store when the first rank connects.
 
     Started on first need and kept: a call costs no thread start (which, on a busy node,
-    can take milliseconds before the new thread runs).
+    can take milliseconds before the new thread runs). A rank process serves one store
+    at a time (the actor closes a call's before the next call's opens).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._servers: dict[int, StoreServer] = {}  # listening fd -> server
+        self._server: StoreServer | None = None
         self._wake_r = self._wake_w = -1
 
     def watch(self, server: StoreServer) -> None:
         """Make `server`'s store as soon as a connection is waiting on its socket."""
         with self._lock:
-            sock = server._sock
-            if sock is None:
-                return
-            self._servers[sock.fileno()] = server
+            self._server = server
             if self._wake_w < 0:
                 self._wake_r, self._wake_w = os.pipe()
                 os.set_blocking(self._wake_r, False)
@@ -99,26 +97,28 @@ class _Watcher:
     def forget(self, server: StoreServer) -> None:
         """Stop watching `server` (it is closing); the thread selects anew without it."""
         with self._lock:
-            for fd, known in list(self._servers.items()):
-                if known is server:
-                    del self._servers[fd]
-                    os.write(self._wake_w, b"x")
+            if self._server is server:
+                self._server = None
+                os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                fds = [self._wake_r, *self._servers]
+                server = self._server
+                sock = server._sock if server is not None else None
+                fd = sock.fileno() if sock is not None else -1
             try:
-                ready, _, _ = select.select(fds, [], [])
-            except (OSError, ValueError):  # a socket closed meanwhile: look again
+                ready, _, _ = select.select([self._wake_r] + ([fd] if fd >= 0 else []), [], [])
+            except (OSError, ValueError):  # its socket closed meanwhile: look again
                 continue
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
             with self._lock:
-                if self._wake_r in ready:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
-                found = [self._servers.pop(fd) for fd in ready if fd in self._servers]
-            for server in found:
-                server._make()
+                if fd < 0 or fd not in ready or self._server is not server:
+                    continue
+                self._server = None
+            assert server is not None
+            server._make()
 
 
 _watcher = _Watcher()
