@@ -10,6 +10,7 @@ from orchestrator.errors import (
     OrchestratorError,
     PlacementError,
     PlacementTimeoutError,
+    StallError,
 )
 from orchestrator.job import Job, JobStatus, RankStatus
 from orchestrator.options import CallOptions, default_log_dir
@@ -30,6 +31,7 @@ __all__ = [
     "PlacementTimeoutError",
     "RankFailure",
     "RankStatus",
+    "StallError",
     "default_log_dir",
     "distribute",
 ]

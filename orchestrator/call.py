@@ -19,6 +19,7 @@ from orchestrator import cluster, crash, messages
 from orchestrator.errors import (
     CRASH,
     JobTimeoutError,
+    StallError,
     StopRequested,
     describe_rank,
     distributed_error,
@@ -28,6 +29,7 @@ from orchestrator.logs import Console
 from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
+from orchestrator.stall import StallReport, Watch
 from orchestrator.states import State
 from orchestrator.status import StatusLine
 from orchestrator_workers import sharing
@@ -43,6 +45,8 @@ _GATHER_S = 0.3
 """After the first failure, how long to keep listening for the others' (for the report)."""
 _POLL_S = 0.1
 """While ranks run, how often the driver looks at their runs and their output together."""
+_JUDGE_S = 1.0
+"""While ranks are read, how often the driver works out who makes no progress."""
 _FORGET_WAIT_S = 5.0
 """After a failure, how long to wait for stopped ranks to be gone before cleaning up."""
 
@@ -120,12 +124,20 @@ class Call:
         self.gather_until: float | None = None
         self.started = time.monotonic()
         self.time_limit = None if self.timeout is None else self.started + self.timeout
+        self.on_stall = options.on_stall
+        self.watch = (
+            None if options.stall_after is None else Watch(pool, self.started, options.stall_after)
+        )
+        self.stall: StallReport | None = None
+        self._judged = 0.0
+        """Ranks without progress for `stall_after`: who is where (None: all move)."""
         quiet = sink is not None  # a notebook cell shows the ranks' table instead
         self.status = None if quiet else StatusLine(
             pool.name,
             len(pool.actors),
             self.started,
             self._states,
+            lambda: self.stall,
         )
 
     def wait(self) -> list[Any]:
@@ -169,8 +181,13 @@ class Call:
             if self.time_limit is not None and now >= self.time_limit and self.runs:
                 self._time_out()
             draining = self._request_output()
+            looked = self._look(now)
             status = self.status.tick(now, console.last_output) if self.status else None
-            wake = [t for t in (self.gather_until, self.time_limit, console.tick(now), status) if t]
+            wake = [
+                t
+                for t in (self.gather_until, self.time_limit, console.tick(now), status, looked)
+                if t
+            ]
             wait_s = min(wake) - now if wake else None
             if self.runs:
                 finished, shown = self._wait_runs(wait_s, draining)
@@ -181,6 +198,27 @@ class Call:
             self._take_all(finished)
             for ref in shown:
                 self._show(draining[ref])
+
+    def _look(self, now: float) -> float | None:
+        """Read where the ranks are when due, and say who makes no progress; when next."""
+        watch = self.watch
+        if watch is None or not self.runs or self.failures:
+            return None
+        due = watch.tick(now)
+        if (watch.where or watch.mute) and now >= self._judged + _JUDGE_S:
+            self._judged = now
+            self.stall = None
+            if not any(self.waits_on.values()):  # a rank in a debugger holds the others
+                self.stall = watch.report(
+                    self.pool.name,
+                    now,
+                    set(self.runs.values()),
+                    self.console.last_times,
+                    returned=self.results.keys(),
+                )
+            if self.stall is not None and self.on_stall == "raise":
+                self._stall_out(self.stall)
+        return min(due, self._judged + _JUDGE_S) if watch.where else due
 
     def _wait_runs(
         self, wait_s: float | None, draining: dict[ray.ObjectRef, int]
@@ -347,6 +385,18 @@ class Call:
         self.console.write(rank, chunks)
         channel.shown = max([channel.shown, *(chunk.seq for chunk in chunks)])
         return "".join(chunk.data.decode(errors="replace") for chunk in chunks)
+
+    def _stall_out(self, report: StallReport) -> None:
+        self.console.flush()
+        where = {rank: _where(self.pool, rank) for rank in range(len(self.pool.actors))}
+        raise StallError(
+            self.watch.after_s if self.watch is not None else 0.0,
+            str(report),
+            self.pool.stacks(),
+            where,
+            log_dir=self.console.log_dir,
+            earlier_attempts=self.earlier,
+        )
 
     def _time_out(self) -> None:
         self.console.flush()

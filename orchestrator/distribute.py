@@ -18,6 +18,7 @@ from orchestrator.job import Job, stop_all
 from orchestrator.logs import DEFAULT_PREFIX, read_log
 from orchestrator.options import CallOptions, Options
 from orchestrator.runner import Runner
+from orchestrator.stall import STALL_AFTER_S
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -78,7 +79,8 @@ class DistributedFunction(Generic[P, R]):
     def with_options(self, **changes: Unpack[CallOptions]) -> DistributedFunction[P, R]:
         """The same function and warm pool with other per-call options.
 
-        Accepted: timeout, placement_timeout, queue, max_restarts, restart_on.
+        Accepted: timeout, stall_after, on_stall, placement_timeout, queue, max_restarts,
+        restart_on.
         """
         clone = copy.copy(self)
         clone.options = self.options.with_changes(**changes)
@@ -148,6 +150,8 @@ def distribute(
     log_dir: str | os.PathLike[str] | bool | None = True,
     fold_output: bool | None = None,
     timeout: float | None = None,
+    stall_after: float | None = STALL_AFTER_S,
+    on_stall: str = "report",
     post_mortem: bool = False,
     placement_timeout: float | None = None,
     queue: bool = True,
@@ -163,7 +167,10 @@ def distribute(
     write alike are shown once with their ranks (`[train r0-127] ...`, numbers as
     ranges); `fold_output=False` shows every line, True folds at any size. `timeout`
     (seconds) stops a call that runs longer with a JobTimeoutError showing every
-    rank's stacks. `breakpoint()` in `fn` and `post_mortem=True` open pdb on that
+    rank's stacks. Ranks that make no progress (the same stack, no output) for
+    `stall_after` seconds are named with where they are, in the status line, table
+    and `job.status()`; `on_stall="raise"` ends the call with a StallError instead.
+    `breakpoint()` in `fn` and `post_mortem=True` open pdb on that
     rank; its output says how to attach.
     When other jobs hold the resources, the first call waits for them (the console
     says what for), or raises PlacementTimeoutError after `placement_timeout` seconds.

@@ -174,6 +174,42 @@ class JobTimeoutError(DistributedError, TimeoutError):
         return "\n".join(lines) + format_earlier(self.earlier_attempts)
 
 
+class StallError(JobTimeoutError):
+    """A call's ranks made no progress for `stall_after` seconds (`on_stall="raise"`):
+    which ranks were where, the odd ones out first."""
+
+    def __init__(
+        self,
+        stall_after: float,
+        report: str,
+        stacks: dict[int, str],
+        where: dict[int, str],
+        *,
+        log_dir: Path | None = None,
+        earlier_attempts: Sequence[BaseException] = (),
+    ) -> None:
+        """The error for a call ended after `stall_after` s without progress; `report`
+        groups the ranks by where they were (see orchestrator.stall)."""
+        super().__init__(
+            stall_after, stacks, where, log_dir=log_dir, earlier_attempts=earlier_attempts
+        )
+        self.args = (report.split("\n", 1)[0],)
+        self.report = report
+        """The ranks grouped by place, each group's first stack (every thread of every
+        rank: `stacks`)."""
+
+    def __str__(self) -> str:
+        """The report: who was where, and for how long."""
+        lines = [
+            f"ranks made no progress for {self.timeout:g} s (stall_after); every rank was "
+            "stopped (on_stall='raise').",
+            self.report,
+        ]
+        if self.log_dir is not None:
+            lines += ["", f"Every rank's output: {self.log_dir}/rank-N.log"]
+        return "\n".join(lines) + format_earlier(self.earlier_attempts)
+
+
 def _restore(cls: type[DistributedError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
     """An unpickled DistributedError: its fields set back, no constructor run."""
     error = cls.__new__(cls)

@@ -60,6 +60,9 @@ class JobStatus:
     """How many times the job was restarted (max_restarts); the attempt is restarts + 1."""
     failed_attempts: tuple[str, ...] = ()
     """One line per failed attempt: which rank, where, and why."""
+    stall: str | None = None
+    """While running: the ranks without progress for `stall_after`, grouped by where they
+    are, each group's first stack (see orchestrator.stall); None while all move."""
 
     def __str__(self) -> str:
         """E.g. 'train: running (r0 finished, r1 running)'; ranks in one state share a
@@ -70,7 +73,8 @@ class JobStatus:
             ranks = ", ".join(f"r{r.rank} {r.state}" for r in self.ranks)
         else:
             ranks = states_line((r.rank, r.state) for r in self.ranks)
-        return f"{self.name}: {self.state}{detail}{restarts} ({ranks})"
+        text = f"{self.name}: {self.state}{detail}{restarts} ({ranks})"
+        return f"{text}\n{self.stall}" if self.stall else text
 
 
 class Job(Future[list[R]]):
@@ -170,7 +174,9 @@ class Job(Future[list[R]]):
                 which = f"rank {stopped[0]} waits"
             waiting = f"{which} for a debugger (the attach command is in the output)"
         attempts = tuple(self._failed_attempts)
-        return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts)
+        report = call.stall if call is not None and phase == RUNNING else None
+        stall = str(report) if report is not None else None
+        return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts, stall)
 
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during this job (so far, while it runs)."""
@@ -214,7 +220,9 @@ class Job(Future[list[R]]):
         ]
         rows.sort(key=lambda row: not row.root_cause)
         cause = describe(root, limit=200) if root is not None else None
-        return Table(f"[{self.name}] {status.state}", tuple(rows), cause)
+        report = call.stall if call is not None and status.state == RUNNING else None
+        stall = report.line().removeprefix(f"[{self.name}] ") if report is not None else None
+        return Table(f"[{self.name}] {status.state}", tuple(rows), cause, stall)
 
     def _repr_html_(self) -> str:
         """Jupyter: the ranks' table, as it is now."""

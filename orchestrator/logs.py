@@ -96,8 +96,8 @@ class Console:
         """Take in `chunks`: complete lines are shown at once, a partial line later."""
         now = time.monotonic() if now is None else now
         for chunk in chunks:
-            if chunk.data:
-                self.last_output = now
+            if chunk.data:  # a progress bar's \r counts too
+                self.last_output = self.last_times[rank] = now
             key = (rank, chunk.stream)
             state = self._streams.setdefault(key, _Stream())
             text = state.pending + state.decoder.decode(chunk.data)

@@ -12,6 +12,7 @@ from orchestrator.channel import rank_stacks
 from orchestrator.discovery import cluster_address
 from orchestrator.errors import LaunchError
 from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
+from orchestrator.summary import group_stacks, stacks_title
 from orchestrator.upload import format_size
 
 
@@ -101,8 +102,8 @@ def stacks(name: str, address: str | None, wait_s: float = 10.0) -> int:
     for (job, pool_id), ranks in sorted(chosen.items()):
         if len(chosen) > 1:
             print(f"=== {job}-{pool_id} ===")
-        for rank, text in _rank_stacks(ranks, wait_s).items():
-            print(f"--- rank {rank} ---\n{text}\n", flush=True)
+        for same, text in group_stacks(_rank_stacks(ranks, wait_s)):
+            print(f"--- {stacks_title(same)} ---\n{text}\n", flush=True)
     return 0
 
 

@@ -71,6 +71,8 @@ class Table:
     rows: tuple[RankRow, ...]
     cause: str | None = None
     """The root cause, in one line, when the job failed."""
+    stall: str | None = None
+    """While it runs: the ranks without progress, and where they are, in one line."""
 
     def summarized(self, full: bool | None = None) -> bool:
         """Whether it shows groups rather than a row per rank (`full`: None, by its size)."""
@@ -87,6 +89,7 @@ class Table:
     def text(self, output: Sequence[str] = (), *, full: bool | None = None) -> str:
         """Plain text: title, root cause, its rows (see `summarized`), then `output`."""
         lines = [self.title] + ([f"root cause: {self.cause}"] if self.cause else [])
+        lines += [f"{self.stall}"] if self.stall else []
         cells = [_HEADER, *(row for row, _ in self._cells(full, width=80))]
         widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADER) - 1)]
         for row in cells:
@@ -103,6 +106,8 @@ class Table:
         parts = [f"<div><b>{esc(self.title)}</b>"]
         if self.cause:
             parts.append(f'<div style="color:#b00020"><b>root cause:</b> {esc(self.cause)}</div>')
+        if self.stall:
+            parts.append(f'<div style="color:#8a5300">{esc(self.stall)}</div>')
         parts.append(self._html_table(full))
         if self.summarized(full):
             parts.append(

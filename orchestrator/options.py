@@ -21,6 +21,7 @@ from orchestrator import placement
 from orchestrator.errors import ConfigError
 from orchestrator.fold import FOLD_FROM_RANKS
 from orchestrator.logs import DEFAULT_PREFIX, unsafe_log_dir
+from orchestrator.stall import STALL_AFTER_S
 from orchestrator_workers import private
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -60,6 +61,11 @@ class Options:
     every line). None: on from 8 ranks shown, where one print per step fills a screen."""
     timeout: float | None = None
     """Seconds a call may run before it is stopped with every rank's stacks."""
+    stall_after: float | None = STALL_AFTER_S
+    """Seconds ranks may make no progress (same stack, no output) before the status
+    line, table and job.status() say which ranks are where; None: never look."""
+    on_stall: str = "report"
+    """"report" (and keep running), or "raise": end the call with a StallError."""
     post_mortem: bool = False
     """A rank that raises opens pdb in the failing frame and waits for an attach."""
     placement_timeout: float | None = None
@@ -168,12 +174,21 @@ class Options:
 
     def _call_problems(self) -> list[str]:
         problems = []
-        limits = (("timeout", self.timeout), ("placement_timeout", self.placement_timeout))
+        limits = (
+            ("timeout", self.timeout),
+            ("placement_timeout", self.placement_timeout),
+            ("stall_after", self.stall_after),
+        )
         for label, value in limits:
             if value is not None and not (_is_number(value) and value > 0):
                 problems.append(
                     f"{label}={value!r}: must be a number of seconds > 0, or None for no limit"
                 )
+        if self.on_stall not in ("report", "raise"):
+            problems.append(
+                f"on_stall={self.on_stall!r}: must be 'report' (say who is where, keep "
+                "running) or 'raise' (end the call with a StallError)"
+            )
         if not isinstance(self.queue, bool):
             problems.append(
                 f"queue={self.queue!r}: must be True (wait for the previous call) or False"
@@ -226,6 +241,8 @@ class CallOptions(TypedDict, total=False):
     """The options `with_options` may change: they concern calls, not the ranks' layout."""
 
     timeout: float | None
+    stall_after: float | None
+    on_stall: Literal["report", "raise"]
     placement_timeout: float | None
     queue: bool
     max_restarts: int

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 
 from orchestrator import messages
 from orchestrator.notebook import clock
+from orchestrator.stall import StallReport
 from orchestrator.summary import states_line
 
 logger = logging.getLogger("orchestrator.status")
@@ -41,13 +42,18 @@ class StatusLine:
         num_ranks: int,
         started: float,
         states: Callable[[], Iterable[tuple[int, str]]] | None = None,
+        stall: Callable[[], StallReport | None] | None = None,
     ) -> None:
         """A line not shown yet; `tick` decides when. `states()`: each rank's state, by
-        rank; where they differ, the line says which ranks are in which."""
+        rank; where they differ, the line says which ranks are in which. `stall()`: the
+        ranks without progress, if any: the line says who is where instead, at once (and
+        in full, with a stack per place, the first time where it is not redrawn)."""
         self.name = name
         self.num_ranks = num_ranks
         self.started = started
         self._states = states
+        self._stall = stall
+        self._stall_shown: tuple[tuple[tuple[int, ...], str], ...] = ()
         self._shown_at: float | None = None
         self._in_place: bool | None = None
         """Whether stderr is a terminal: asked once the line is first due (a call costs less)."""
@@ -58,7 +64,8 @@ class StatusLine:
             return None
         quiet_since = max(last_output, self.started)
         due = max(self.started + QUIET_S, quiet_since + QUIET_S)
-        if now < due:
+        report = self._stall() if self._stall is not None else None
+        if now < due and report is None:
             return due
         # Redrawn only on a terminal of ours: an application's handler (or pytest's) would
         # make each redraw a line of its own.
@@ -66,6 +73,8 @@ class StatusLine:
             self._in_place = _is_terminal()
         in_place = self._in_place and not messages.configured(logger)
         every = REDRAW_S if in_place else REPEAT_S
+        if report is not None:
+            return self._show_stall(report, now, in_place, every)
         if self._shown_at is not None and now < self._shown_at + every:
             return self._shown_at + every
         self._shown_at = now
@@ -78,6 +87,18 @@ class StatusLine:
             f"last output {clock(now - quiet_since)} ago"
         )
         messages.emit(logger, logging.INFO, f"[{self.name}] {text}", in_place=in_place)
+        return now + every
+
+
+    def _show_stall(self, report: StallReport, now: float, in_place: bool, every: float) -> float:
+        """Say who makes no progress: at once when that changed, else as the line would."""
+        key = tuple((g.ranks, str(g.place)) for g in report.groups)
+        changed = key != self._stall_shown
+        if not changed and self._shown_at is not None and now < self._shown_at + every:
+            return self._shown_at + every
+        self._shown_at, self._stall_shown = now, key
+        text = str(report) if changed and not in_place else report.line()
+        messages.emit(logger, logging.WARNING, text, in_place=in_place)
         return now + every
 
 

@@ -115,3 +115,19 @@ def _last_line(members: Sequence[RankView]) -> str:
         shown = f"[r{rank_label(first.ranks)}] {shown}"
     others = len(folded) - 1
     return shown + (f" (+{others} other line{'s' if others > 1 else ''})" if others else "")
+
+
+def group_stacks(stacks: dict[int, str]) -> list[tuple[tuple[int, ...], str]]:
+    """Ranks whose stacks read the same, together: the odd ones out (fewest) first."""
+    same: dict[str, list[int]] = {}
+    for rank in sorted(stacks):
+        same.setdefault(stacks[rank], []).append(rank)
+    groups = [(tuple(ranks), text) for text, ranks in same.items()]
+    return sorted(groups, key=lambda g: (len(g[0]), g[0][0]))
+
+
+def stacks_title(ranks: Sequence[int]) -> str:
+    """'rank 5', or 'ranks 0-4,6-127 (127 ranks, the same stacks)'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {rank_label(ranks)} ({len(ranks)} ranks, the same stacks)"

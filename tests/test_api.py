@@ -29,6 +29,7 @@ def test_public_api_is_small_and_stable():
         "PlacementTimeoutError",
         "RankFailure",
         "RankStatus",
+        "StallError",
         "default_log_dir",
         "distribute",
     ]
@@ -72,6 +73,8 @@ def test_distribute_s_keywords_are_the_options_dataclass():
         ({"num_replicas": 2, "cpus_per_replica": float("nan")}, "cpus_per_replica=nan"),
         ({"num_replicas": 2, "gpus_per_replica": float("inf")}, "gpus_per_replica=inf"),
         ({"num_replicas": 2, "timeout": float("inf")}, "timeout=inf"),
+        ({"num_replicas": 2, "stall_after": 0}, "stall_after=0: must be a number of seconds"),
+        ({"num_replicas": 2, "on_stall": "kill"}, "on_stall='kill': must be 'report'"),
         ({"num_replicas": 2, "log_dir": 123}, "log_dir=123: must be True"),
         # A huge count: a few divisors, found at once, in a short message.
         ({"num_replicas": 10**12, "replicas_per_node": 7},

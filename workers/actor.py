@@ -22,6 +22,7 @@ from orchestrator_workers import (
     debugger,
     elastic,
     environment,
+    progress,
     script,
     sharing,
     stacks,
@@ -75,6 +76,7 @@ class RankActor:
         self._packed_spec = b""
         self._spec: RankSpec | None = None
         self._capture = Capture()
+        self._sampler = progress.Sampler()
         self._importing: threading.Thread | None = None
         if preload_torch:
             self._importing = threading.Thread(
@@ -118,6 +120,11 @@ class RankActor:
     def stacks(self) -> str:
         """The current stack of each of this rank's threads, without disturbing them."""
         return stacks.current_stacks()
+
+    @ray.method(concurrency_group="control")
+    def where(self, pids: dict[int, int]) -> list[progress.Where]:
+        """Where each rank of this node (rank -> pid) was when it last looked (see progress)."""
+        return progress.read(pids)
 
     def open_store(self) -> int:
         """Reserve the next call's rendezvous port (nothing listens there until the call
@@ -203,11 +210,13 @@ class RankActor:
         error_file = os.environ.get(elastic.VAR, "")
         elastic.forget(error_file)  # an earlier call's
         started = time.time()
+        self._sampler.begin()
         try:
             with script.driver_main(fn):
                 value = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             when = time.time()  # before peers notice, so the root cause is the earliest
+            self._sampler.end()
             if spec.post_mortem and exc.__traceback__ is not None:
                 debugger.post_mortem(exc.__traceback__)
             _destroy_process_group()
@@ -224,6 +233,7 @@ class RankActor:
                 traceback=report.traceback or failure.traceback,
                 error_file=report.path,
             )
+        self._sampler.end()
         _destroy_process_group()
         next_port, store_open = None, False
         if spec.rank == 0:

@@ -19,6 +19,9 @@ from orchestrator_workers.protocol import RankSpec
 _SIOCGIFADDR = 0x8915
 READ_ON_IMPORT = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "CUDA", "NCCL", "LD_")
 """Prefixes of variables that torch, or the libraries it loads, may read only on import."""
+RECORDER_VAR, NCCL_RECORDER_VAR = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"
+"""torch's flight recorder: how many collectives each rank keeps (NCCL's name: older torch)."""
+RECORDER_SIZE = "2000"
 
 
 def user_env(env: Mapping[str, str], runtime_env: Mapping[str, Any] | None) -> dict[str, str]:
@@ -130,6 +133,10 @@ def rank_env(spec: RankSpec, error_file: str = "") -> dict[str, str]:
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "OMP_NUM_THREADS": str(default_threads(spec)),
         "ORCHESTRATOR_NODE_IP": spec.node_ip,
+        # torch's flight recorder, on unless set otherwise: the last collective of a rank
+        # that stopped moving is in a stall's report (see progress). A ring of small
+        # entries, read only then; no cost measured (benchmarks/bench_diagnose.py).
+        RECORDER_VAR: os.environ.get(RECORDER_VAR, RECORDER_SIZE),
     }
     if spec.cuda_visible_devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.cuda_visible_devices)
@@ -172,6 +179,9 @@ def apply(spec: RankSpec) -> None:
         return  # it reads OMP_NUM_THREADS when the function imports it, if it does
     import torch  # late: CUDA must see CUDA_VISIBLE_DEVICES before it initializes
 
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    if c10d is not None and not hasattr(c10d, "_dump_fr_trace"):  # an older torch's name
+        os.environ.setdefault(NCCL_RECORDER_VAR, os.environ[RECORDER_VAR])
     threads = os.environ["OMP_NUM_THREADS"]
     if threads.isdigit() and 0 < int(threads) != torch.get_num_threads():
         torch.set_num_threads(int(threads))

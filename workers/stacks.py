@@ -26,8 +26,8 @@ def current_stacks(entry: str = "run") -> str:
     for ident, frame in sys._current_frames().items():
         if ident == me:
             continue
-        frames = _frames(frame)
-        user = _after_entry(frames, entry)
+        frames = frames_of(frame)
+        user = after_entry(frames, entry)
         if user is not None:
             title = f"Thread {names.get(ident, ident)} (running the function)"
         elif any(_is_ours(f) for f in frames):
@@ -42,7 +42,7 @@ def current_stacks(entry: str = "run") -> str:
     return "\n\n".join(blocks) or "(no thread is running Python code)"
 
 
-def _frames(frame: FrameType | None) -> list[FrameType]:
+def frames_of(frame: FrameType | None) -> list[FrameType]:
     frames = []
     while frame is not None:
         frames.append(frame)
@@ -50,7 +50,7 @@ def _frames(frame: FrameType | None) -> list[FrameType]:
     return frames[::-1]  # outermost first
 
 
-def _after_entry(frames: list[FrameType], entry: str) -> list[FrameType] | None:
+def after_entry(frames: list[FrameType], entry: str) -> list[FrameType] | None:
     for i, f in enumerate(frames):
         if f.f_code.co_name == entry and f.f_code.co_filename.startswith(_OURS):
             after = frames[i + 1 :]

@@ -1,0 +1,341 @@
+"""A call that stopped moving: which ranks are where, the odd ones out first.
+
+Each rank looks at its own function thread once a second (`orchestrator_workers.progress`);
+`Watch` reads those looks one rank per node, every few seconds once a call has run a
+while. A rank makes progress while its stack changes or it writes output; a rank at a
+breakpoint is left out. Once ranks have made none for `stall_after` seconds,
+`StallReport` says who is where and for how long, facts only:
+
+    [train] no progress for 0:45: rank 5 is at loader.py:88 in __getitem__;
+    127 ranks (r0-4,6-127) wait in all_reduce at train.py:42
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import ray
+from ray.exceptions import RayError
+
+from orchestrator.fold import rank_label
+from orchestrator.notebook import clock
+from orchestrator_workers.progress import Frame, Where
+
+if TYPE_CHECKING:
+    from orchestrator.pool import Pool
+
+STALL_AFTER_S = 60.0
+"""Default: seconds without progress before a call's report names who is where."""
+ANSWER_S = 10.0
+"""A rank that has not looked at its stack for this long (or a node's reader that has
+not answered) does not answer: a C call holding the GIL, a stopped process."""
+_C10D = "torch/distributed/distributed_c10d.py"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a rank's function is: its innermost frame of the user's code, and what
+    that frame called (a collective, a library function), if any."""
+
+    file: str
+    line: int
+    function: str
+    code: str = ""
+    calls: str = ""
+    """The collective ('all_reduce') or library function ('torch.serialization.save')."""
+    collective: bool = False
+
+    def __str__(self) -> str:
+        """'in all_reduce at train.py:42', 'at loader.py:88 in __getitem__ (`x = f()`)'."""
+        if not self.line:
+            return "in no Python frame"
+        at = f"{os.path.basename(self.file)}:{self.line}"
+        if self.calls:
+            return f"in {self.calls} at {at}"
+        code = f" (`{self.code}`)" if self.code else ""
+        return f"at {at} in {self.function}{code}"
+
+
+UNSEEN = Place("?", 0, "?")
+"""The place of a rank whose function thread shows no Python frame."""
+
+
+def place_of(frames: Sequence[Frame]) -> Place:
+    """The place of a stack (outermost frame first)."""
+    if not frames:
+        return UNSEEN
+    user = [i for i, f in enumerate(frames) if not f.library]
+    at = user[-1] if user else len(frames) - 1
+    here, inner = frames[at], frames[at + 1 :]
+    for f in inner:  # the collective itself, not the wrapper that logs it
+        if f.file.endswith(_C10D) and not f.function.startswith("_"):
+            return Place(here.file, here.line, here.function, here.code, f.function, True)
+    calls = f"{_module(inner[0].file)}.{inner[0].function}" if inner else ""
+    return Place(here.file, here.line, here.function, here.code, calls)
+
+
+def format_stack(frames: Sequence[Frame]) -> str:
+    """A stack as a traceback shows it, innermost call last."""
+    if not frames:
+        return "  (no Python frame: the function's thread is in native code)"
+    lines = []
+    for f in frames:
+        lines.append(f'  File "{f.file}", line {f.line}, in {f.function}')
+        if f.code:
+            lines.append(f"    {f.code}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Ranks at one place, all making progress or all not."""
+
+    ranks: tuple[int, ...]
+    place: Place
+    moving: bool
+    answers: bool
+    since_s: float
+    """Without progress this long (the least among them); for ranks that do not
+    answer, how long since they last looked."""
+    stack: str
+    """The first rank's stack."""
+    collective: str = ""
+    """The first rank's last collective in torch's flight recorder, if it was read."""
+
+    def who(self) -> str:
+        """'rank 5', '127 ranks (r0-4,6-127)'."""
+        if len(self.ranks) == 1:
+            return f"rank {self.ranks[0]}"
+        return f"{len(self.ranks)} ranks (r{rank_label(self.ranks)})"
+
+    def sentence(self) -> str:
+        """'rank 5 is at loader.py:88 in __getitem__', '4 ranks (r0-3) wait in barrier at ...'."""
+        one = len(self.ranks) == 1
+        last = f"; last collective: {self.collective}" if self.collective else ""
+        if not self.answers:
+            verb = "does" if one else "do"
+            seen = f"; last seen {self.place}" if self.place.line else ""
+            return (
+                f"{self.who()} {verb} not answer (no look at its stack for "
+                f"{clock(self.since_s)}{seen}{last})"
+            )
+        verbs = ("waits", "wait") if self.place.collective else ("is", "are")
+        verb = verbs[0] if one else verbs[1]
+        note = f" (last collective: {self.collective})" if self.collective else ""
+        return f"{self.who()} {verb} {self.place}{note}"
+
+
+@dataclass(frozen=True)
+class StallReport:
+    """Ranks without progress for a while: who is where, the odd ones out first."""
+
+    name: str
+    since_s: float
+    """How long the ranks without progress have had none (the least among them)."""
+    groups: tuple[Group, ...]
+    """The ranks without progress, fewest first; then those still moving."""
+    returned: tuple[int, ...] = ()
+    """Ranks whose function has returned while these run."""
+    unread: tuple[int, ...] = ()
+    """Running ranks not read yet: nothing is said of them."""
+
+    @property
+    def stalled(self) -> bool:
+        """Whether no running rank makes progress (else some wait while others move)."""
+        return not any(g.moving for g in self.groups)
+
+    def line(self) -> str:
+        """One line: the status line's and the table's."""
+        still = [g for g in self.groups if not g.moving]
+        moving = [g for g in self.groups if g.moving]
+        text = "; ".join(g.sentence() for g in still)
+        if moving:
+            count = sum(len(g.ranks) for g in still)
+            head = f"{count} rank{'s' if count > 1 else ''} without progress for "
+            text = f"{head}{clock(self.since_s)}: {text}; still moving: " + "; ".join(
+                g.sentence() for g in moving
+            )
+        else:
+            text = f"no progress for {clock(self.since_s)}: {text}"
+        collectives = {g.place.calls for g in self.groups if g.place.collective and g.answers}
+        if len(collectives) > 1:
+            text += "; the ranks are in different collectives"
+        if self.returned:
+            who = Group(self.returned, UNSEEN, False, True, 0.0, "").who()
+            text += f"; {who} {'has' if len(self.returned) == 1 else 'have'} returned"
+        if self.unread:
+            who = Group(self.unread, UNSEEN, False, True, 0.0, "").who()
+            text += f"; {who} not read yet"
+        elif not self.returned and len(still) == 1 and not moving and still[0].place.collective:
+            text += (
+                "; no rank of the job is elsewhere: what they wait for is outside the "
+                "job's ranks (the network, or a process outside the job)"
+            )
+        return f"[{self.name}] {text}"
+
+    def __str__(self) -> str:
+        """The line, then each group's first rank's stack."""
+        parts = [self.line()]
+        for g in self.groups:
+            whose = "" if len(g.ranks) == 1 else f": rank {g.ranks[0]}'s stack"
+            parts += ["", f"--- {g.who()}{whose} ---", g.stack]
+        return "\n".join(parts)
+
+
+def report(
+    name: str,
+    now: float,
+    where: dict[int, tuple[Where, float]],
+    running: Collection[int],
+    last_output: Sequence[float],
+    *,
+    after_s: float,
+    returned: Collection[int] = (),
+    mute: Collection[int] = (),
+) -> StallReport | None:
+    """The report on `running` ranks at `now` (monotonic), if any has made no progress
+    for `after_s`; else None.
+
+    `where`: each rank's last reading, with when it was read; `last_output`: when each
+    rank last wrote; `mute`: ranks that did not answer the request to read their node.
+    """
+    seen: dict[tuple[Place, bool], list[tuple[int, float, Where | None]]] = {}
+    unread = []
+    for rank in sorted(running):
+        found = where.get(rank)
+        quiet = now - last_output[rank]
+        if found is None:
+            if rank not in mute:
+                unread.append(rank)  # nothing to say about it
+                continue
+            entry, place, answers, still = None, UNSEEN, False, quiet
+        else:
+            entry, read_at = found
+            if not entry.running:
+                continue  # between calls on the rank: its run's end is on its way
+            # Since the reading its stack is taken to be the same; whether it answers is
+            # what its own record said then (a node not read again says nothing of it).
+            late = now - read_at
+            age = entry.age_s if entry.age_s is not None else quiet
+            answers = age < ANSWER_S and rank not in mute
+            place = place_of(entry.frames)
+            still = entry.still_s + late if answers else age + late
+        seen.setdefault((place, answers), []).append((rank, min(still, quiet), entry))
+    # Ranks at one place are one group, without progress if any of them has made none
+    # for `after_s`: peers that reached a stuck collective a moment later are no different.
+    if all(since < after_s for members in seen.values() for _, since, _ in members):
+        return None
+    groups = []
+    for (place, answers), members in seen.items():
+        first = members[0][2]
+        groups.append(
+            Group(
+                ranks=tuple(rank for rank, _, _ in members),
+                place=place,
+                moving=all(since < after_s for _, since, _ in members),
+                answers=answers,
+                since_s=min(since for _, since, _ in members),
+                stack=_stack(first, answers),
+                collective=first.collective if first is not None else "",
+            )
+        )
+    groups.sort(key=lambda g: (g.moving, len(g.ranks), g.ranks[0]))
+    since_s = min(g.since_s for g in groups if not g.moving)
+    return StallReport(name, since_s, tuple(groups), tuple(sorted(returned)), tuple(unread))
+
+
+class Watch:
+    """Reads where a call's ranks are, one rank per node, every few seconds once the
+    call has run `after_s / 2`: a call shorter than that is never read."""
+
+    def __init__(self, pool: Pool, started: float, after_s: float) -> None:
+        """A watch over `pool`'s ranks for a call started at `started` (monotonic)."""
+        self.pool = pool
+        self.after_s = after_s
+        self.every = min(5.0, max(1.0, after_s / 10))
+        self.next_read = started + after_s / 2
+        self.nodes: dict[str, list[int]] = {}
+        for rank, info in enumerate(pool.infos):
+            self.nodes.setdefault(info.node_id, []).append(rank)
+        self.where: dict[int, tuple[Where, float]] = {}
+        self.pending: dict[ray.ObjectRef, tuple[str, int, float]] = {}
+        """Readings asked for: node, the rank asked, when."""
+        self.mute: set[int] = set()
+        """Ranks that have not answered a request to read their node within ANSWER_S."""
+
+    def tick(self, now: float) -> float:
+        """Take the readings that came back, ask for the next if due; when to tick next."""
+        if self.pending:
+            refs = list(self.pending)
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in done:
+                _, rank, _ = self.pending.pop(ref)
+                self.mute.discard(rank)
+                try:
+                    readings: list[Where] = ray.get(ref)
+                except RayError:  # the rank's actor died: its run says how
+                    continue
+                for entry in readings:
+                    self.where[entry.rank] = (entry, now)
+            for _, rank, sent in self.pending.values():
+                if now - sent >= ANSWER_S:
+                    self.mute.add(rank)
+        if now < self.next_read:
+            return self.next_read
+        self.next_read = now + self.every
+        for node, ranks in self.nodes.items():
+            asked = [rank for n, rank, _ in self.pending.values() if n == node]
+            if any(rank not in self.mute for rank in asked):
+                continue  # a reading is on its way
+            # A node whose reader does not answer is read through another of its ranks.
+            reader = next((r for r in ranks if r not in self.mute and r not in asked), None)
+            if reader is not None:
+                pids = {r: self.pool.infos[r].pid for r in ranks}
+                self.pending[self.pool.actors[reader].where.remote(pids)] = (node, reader, now)
+        return self.next_read
+
+    def report(
+        self,
+        name: str,
+        now: float,
+        running: Collection[int],
+        last_output: Sequence[float],
+        *,
+        returned: Collection[int] = (),
+    ) -> StallReport | None:
+        """The report on the ranks as last read (see `report`)."""
+        return report(
+            name,
+            now,
+            self.where,
+            running,
+            last_output,
+            after_s=self.after_s,
+            returned=returned,
+            mute=self.mute,
+        )
+
+
+def _stack(where: Where | None, answers: bool) -> str:
+    if where is None:
+        return "  (never read: its node's reader does not answer)"
+    if not where.frames and not answers:
+        return "  (never seen: it has not looked at its stack since the call began)"
+    return format_stack(where.frames)
+
+
+def _module(file: str) -> str:
+    """'torch.serialization' for .../site-packages/torch/serialization.py."""
+    path = file.removesuffix(".py")
+    for marker in ("-packages/", "/lib/python"):
+        if marker in path:
+            path = path.rsplit(marker, 1)[1]
+            if marker == "/lib/python":  # 3.11/threading
+                path = path.split("/", 1)[-1]
+            break
+    else:
+        path = os.path.basename(path)
+    return path.removesuffix("/__init__").replace("/", ".")
