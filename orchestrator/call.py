@@ -31,7 +31,8 @@ from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
 from orchestrator.stall import StallReport, Watch
 from orchestrator.states import State
-from orchestrator.status import StatusLine
+from orchestrator.status import Notice, StatusLine
+from orchestrator.straggle import Straggler
 from orchestrator_workers import sharing
 from orchestrator_workers.protocol import (
     EXIT_STREAM,
@@ -103,6 +104,7 @@ class Call:
             max_restarts=options.max_restarts,
             share_key=self.share_key,
             uses_torch=shipped.uses_torch or pool.request.gpus_per_replica > 0,
+            watched=options.stall_after is not None,
         )
         packed_call = pickle.dumps(call, pickle.HIGHEST_PROTOCOL)
         self.runs = {
@@ -129,6 +131,8 @@ class Call:
             None if options.stall_after is None else Watch(pool, self.started, options.stall_after)
         )
         self.stall: StallReport | None = None
+        self.slow: list[Straggler] = []
+        """Ranks slower than their peers, the slowest first (see orchestrator.straggle)."""
         self._judged = 0.0
         """Ranks without progress for `stall_after`: who is where (None: all move)."""
         quiet = sink is not None  # a notebook cell shows the ranks' table instead
@@ -137,7 +141,7 @@ class Call:
             len(pool.actors),
             self.started,
             self._states,
-            lambda: self.stall,
+            self._notice,
         )
 
     def wait(self) -> list[Any]:
@@ -208,17 +212,38 @@ class Call:
         if (watch.where or watch.mute) and now >= self._judged + _JUDGE_S:
             self._judged = now
             self.stall = None
+            running = set(self.runs.values())
             if not any(self.waits_on.values()):  # a rank in a debugger holds the others
                 self.stall = watch.report(
                     self.pool.name,
                     now,
-                    set(self.runs.values()),
+                    running,
                     self.console.last_times,
                     returned=self.results.keys(),
                 )
+            self.slow = watch.shares.stragglers(running) if self.stall is None else []
             if self.stall is not None and self.on_stall == "raise":
                 self._stall_out(self.stall)
         return min(due, self._judged + _JUDGE_S) if watch.where else due
+
+    def use(self, rank: int) -> str:
+        """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB'."""
+        found = self.watch.where.get(rank) if self.watch is not None else None
+        if found is None:
+            return ""
+        where = found[0]
+        text = f"{where.process_cpu:.1f} cores, {where.rss_mb / 1024:.1f} GB"
+        return text + (f", GPU {where.gpu_mb / 1024:.1f} GB" if where.gpu_mb is not None else "")
+
+    def _notice(self) -> Notice | None:
+        """What the status line must say now: ranks without progress, or slow ones."""
+        if self.stall is not None:
+            key = tuple((g.ranks, str(g.place)) for g in self.stall.groups)
+            return Notice(key, self.stall.line(), str(self.stall))
+        if self.slow:
+            line = f"[{self.pool.name}] " + "; ".join(s.sentence() for s in self.slow)
+            return Notice(tuple(s.rank for s in self.slow), line, line)
+        return None
 
     def _wait_runs(
         self, wait_s: float | None, draining: dict[ray.ObjectRef, int]

@@ -201,11 +201,13 @@ class Job(Future[list[R]]):
         root = self._root_cause()
         now = time.monotonic()
         console = call.console if call is not None else None
+        running = call is not None and status.state == RUNNING
+        slow = {s.rank for s in call.slow} if call is not None and running else set()
         rows = [
             RankRow(
                 rank=r.rank,
                 node=r.node_ip or "-",
-                state=r.state,
+                state=f"{r.state} (slow)" if r.rank in slow else r.state,
                 elapsed=elapsed,
                 restarts=status.restarts,
                 last_line=console.last_lines[r.rank] if console is not None else "",
@@ -215,14 +217,16 @@ class Job(Future[list[R]]):
                     if console is not None and r.state == State.RUNNING
                     else None
                 ),
+                use=call.use(r.rank) if call is not None and running else "",
             )
             for r in status.ranks
         ]
         rows.sort(key=lambda row: not row.root_cause)
         cause = describe(root, limit=200) if root is not None else None
-        report = call.stall if call is not None and status.state == RUNNING else None
+        report = call.stall if call is not None and running else None
         stall = report.line().removeprefix(f"[{self.name}] ") if report is not None else None
-        return Table(f"[{self.name}] {status.state}", tuple(rows), cause, stall)
+        slowest = "; ".join(s.sentence() for s in call.slow) if call is not None and running else ""
+        return Table(f"[{self.name}] {status.state}", tuple(rows), cause, stall, slowest or None)
 
     def _repr_html_(self) -> str:
         """Jupyter: the ranks' table, as it is now."""

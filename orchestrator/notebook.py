@@ -54,9 +54,11 @@ class RankRow:
     root_cause: bool = False
     silent_s: float | None = None
     """While it runs: how long since it last wrote anything."""
+    use: str = ""
+    """While it runs: its process's CPU and memory ('1.0 cores, 0.3 GB'), where read."""
 
 
-_HEADER = ("rank", "node", "state", "elapsed", "restarts", "last output")
+_HEADER = ("rank", "node", "state", "elapsed", "restarts", "CPU, memory", "last output")
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class Table:
     """The root cause, in one line, when the job failed."""
     stall: str | None = None
     """While it runs: the ranks without progress, and where they are, in one line."""
+    slow: str | None = None
+    """While it runs: the ranks slower than their peers, and where their time goes."""
 
     def summarized(self, full: bool | None = None) -> bool:
         """Whether it shows groups rather than a row per rank (`full`: None, by its size)."""
@@ -89,7 +93,7 @@ class Table:
     def text(self, output: Sequence[str] = (), *, full: bool | None = None) -> str:
         """Plain text: title, root cause, its rows (see `summarized`), then `output`."""
         lines = [self.title] + ([f"root cause: {self.cause}"] if self.cause else [])
-        lines += [f"{self.stall}"] if self.stall else []
+        lines += [line for line in (self.stall, self.slow) if line]
         cells = [_HEADER, *(row for row, _ in self._cells(full, width=80))]
         widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADER) - 1)]
         for row in cells:
@@ -106,8 +110,8 @@ class Table:
         parts = [f"<div><b>{esc(self.title)}</b>"]
         if self.cause:
             parts.append(f'<div style="color:#b00020"><b>root cause:</b> {esc(self.cause)}</div>')
-        if self.stall:
-            parts.append(f'<div style="color:#8a5300">{esc(self.stall)}</div>')
+        notes = (self.stall, self.slow)
+        parts += [f'<div style="color:#8a5300">{esc(n)}</div>' for n in notes if n]
         parts.append(self._html_table(full))
         if self.summarized(full):
             parts.append(
@@ -140,6 +144,7 @@ class Table:
                         r.state + (" (root cause)" if r.root_cause else ""),
                         clock(r.elapsed),
                         str(r.restarts),
+                        r.use,
                         r.last_line[:width],
                     ),
                     r.state == "failed",
@@ -156,6 +161,7 @@ class Table:
                     g.state + (" (root cause)" if g.root_cause else ""),
                     elapsed,
                     restarts,
+                    "",
                     g.last_line[:width],
                 ),
                 g.state == "failed",

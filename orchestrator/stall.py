@@ -12,7 +12,6 @@ breakpoint is left out. Once ranks have made none for `stall_after` seconds,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +21,8 @@ from ray.exceptions import RayError
 
 from orchestrator.fold import rank_label
 from orchestrator.notebook import clock
-from orchestrator_workers.progress import Frame, Where
+from orchestrator.straggle import Shares
+from orchestrator_workers.progress import UNSEEN, Frame, Place, Where, place_of
 
 if TYPE_CHECKING:
     from orchestrator.pool import Pool
@@ -32,49 +32,8 @@ STALL_AFTER_S = 60.0
 ANSWER_S = 10.0
 """A rank that has not looked at its stack for this long (or a node's reader that has
 not answered) does not answer: a C call holding the GIL, a stopped process."""
-_C10D = "torch/distributed/distributed_c10d.py"
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a rank's function is: its innermost frame of the user's code, and what
-    that frame called (a collective, a library function), if any."""
-
-    file: str
-    line: int
-    function: str
-    code: str = ""
-    calls: str = ""
-    """The collective ('all_reduce') or library function ('torch.serialization.save')."""
-    collective: bool = False
-
-    def __str__(self) -> str:
-        """'in all_reduce at train.py:42', 'at loader.py:88 in __getitem__ (`x = f()`)'."""
-        if not self.line:
-            return "in no Python frame"
-        at = f"{os.path.basename(self.file)}:{self.line}"
-        if self.calls:
-            return f"in {self.calls} at {at}"
-        code = f" (`{self.code}`)" if self.code else ""
-        return f"at {at} in {self.function}{code}"
-
-
-UNSEEN = Place("?", 0, "?")
-"""The place of a rank whose function thread shows no Python frame."""
-
-
-def place_of(frames: Sequence[Frame]) -> Place:
-    """The place of a stack (outermost frame first)."""
-    if not frames:
-        return UNSEEN
-    user = [i for i, f in enumerate(frames) if not f.library]
-    at = user[-1] if user else len(frames) - 1
-    here, inner = frames[at], frames[at + 1 :]
-    for f in inner:  # the collective itself, not the wrapper that logs it
-        if f.file.endswith(_C10D) and not f.function.startswith("_"):
-            return Place(here.file, here.line, here.function, here.code, f.function, True)
-    calls = f"{_module(inner[0].file)}.{inner[0].function}" if inner else ""
-    return Place(here.file, here.line, here.function, here.code, calls)
+BUSY = 0.5
+"""A rank using this share of a core at one place is said to be on CPU (it computes)."""
 
 
 def format_stack(frames: Sequence[Frame]) -> str:
@@ -104,6 +63,8 @@ class Group:
     """The first rank's stack."""
     collective: str = ""
     """The first rank's last collective in torch's flight recorder, if it was read."""
+    cpu: float = 0.0
+    """The most CPU (share of a core) any of them used between its last two looks."""
 
     def who(self) -> str:
         """'rank 5', '127 ranks (r0-4,6-127)'."""
@@ -125,7 +86,8 @@ class Group:
         verbs = ("waits", "wait") if self.place.collective else ("is", "are")
         verb = verbs[0] if one else verbs[1]
         note = f" (last collective: {self.collective})" if self.collective else ""
-        return f"{self.who()} {verb} {self.place}{note}"
+        busy = f", on CPU {self.cpu:.0%}" if self.cpu >= BUSY else ""
+        return f"{self.who()} {verb} {self.place}{busy}{note}"
 
 
 @dataclass(frozen=True)
@@ -240,6 +202,7 @@ def report(
                 since_s=min(since for _, since, _ in members),
                 stack=_stack(first, answers),
                 collective=first.collective if first is not None else "",
+                cpu=max((w.cpu for _, _, w in members if w is not None), default=0.0),
             )
         )
     groups.sort(key=lambda g: (g.moving, len(g.ranks), g.ranks[0]))
@@ -248,15 +211,16 @@ def report(
 
 
 class Watch:
-    """Reads where a call's ranks are, one rank per node, every few seconds once the
-    call has run `after_s / 2`: a call shorter than that is never read."""
+    """Reads where a call's ranks are, and where their time went, one rank per node,
+    every few seconds once the call has run 5 s (or `after_s / 2`): a call shorter than
+    that is never read."""
 
     def __init__(self, pool: Pool, started: float, after_s: float) -> None:
         """A watch over `pool`'s ranks for a call started at `started` (monotonic)."""
         self.pool = pool
         self.after_s = after_s
         self.every = min(5.0, max(1.0, after_s / 10))
-        self.next_read = started + after_s / 2
+        self.next_read = started + min(after_s / 2, 5.0)
         self.nodes: dict[str, list[int]] = {}
         for rank, info in enumerate(pool.infos):
             self.nodes.setdefault(info.node_id, []).append(rank)
@@ -265,6 +229,8 @@ class Watch:
         """Readings asked for: node, the rank asked, when."""
         self.mute: set[int] = set()
         """Ranks that have not answered a request to read their node within ANSWER_S."""
+        self.shares = Shares()
+        """Where each rank's time went, for the slow ones (see orchestrator.straggle)."""
 
     def tick(self, now: float) -> float:
         """Take the readings that came back, ask for the next if due; when to tick next."""
@@ -280,6 +246,7 @@ class Watch:
                     continue
                 for entry in readings:
                     self.where[entry.rank] = (entry, now)
+                    self.shares.add(entry, now)
             for _, rank, sent in self.pending.values():
                 if now - sent >= ANSWER_S:
                     self.mute.add(rank)
@@ -325,17 +292,3 @@ def _stack(where: Where | None, answers: bool) -> str:
     if not where.frames and not answers:
         return "  (never seen: it has not looked at its stack since the call began)"
     return format_stack(where.frames)
-
-
-def _module(file: str) -> str:
-    """'torch.serialization' for .../site-packages/torch/serialization.py."""
-    path = file.removesuffix(".py")
-    for marker in ("-packages/", "/lib/python"):
-        if marker in path:
-            path = path.rsplit(marker, 1)[1]
-            if marker == "/lib/python":  # 3.11/threading
-                path = path.split("/", 1)[-1]
-            break
-    else:
-        path = os.path.basename(path)
-    return path.removesuffix("/__init__").replace("/", ".")

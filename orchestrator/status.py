@@ -13,10 +13,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from orchestrator import messages
 from orchestrator.notebook import clock
-from orchestrator.stall import StallReport
 from orchestrator.summary import states_line
 
 logger = logging.getLogger("orchestrator.status")
@@ -26,6 +26,17 @@ REDRAW_S = 1.0
 """How often the line is redrawn in place on a terminal."""
 REPEAT_S = 60.0
 """How often it is printed again where stderr is not a terminal (a log file, CI)."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """What a running call must tell the user now, in place of its usual line."""
+
+    key: object
+    """What it is about: said again at once only when this changes."""
+    line: str
+    full: str
+    """With the details (stacks), for a log that keeps every line."""
 
 
 def enabled() -> bool:
@@ -42,18 +53,19 @@ class StatusLine:
         num_ranks: int,
         started: float,
         states: Callable[[], Iterable[tuple[int, str]]] | None = None,
-        stall: Callable[[], StallReport | None] | None = None,
+        notice: Callable[[], Notice | None] | None = None,
     ) -> None:
         """A line not shown yet; `tick` decides when. `states()`: each rank's state, by
-        rank; where they differ, the line says which ranks are in which. `stall()`: the
-        ranks without progress, if any: the line says who is where instead, at once (and
-        in full, with a stack per place, the first time where it is not redrawn)."""
+        rank; where they differ, the line says which ranks are in which. `notice()`:
+        what the user must know now (ranks without progress, slow ranks), if anything:
+        the line says it instead, at once when it changed (and in full, with a stack per
+        place, where the line is not redrawn in place)."""
         self.name = name
         self.num_ranks = num_ranks
         self.started = started
         self._states = states
-        self._stall = stall
-        self._stall_shown: tuple[tuple[tuple[int, ...], str], ...] = ()
+        self._notice = notice
+        self._notice_shown: object = None
         self._shown_at: float | None = None
         self._in_place: bool | None = None
         """Whether stderr is a terminal: asked once the line is first due (a call costs less)."""
@@ -64,7 +76,7 @@ class StatusLine:
             return None
         quiet_since = max(last_output, self.started)
         due = max(self.started + QUIET_S, quiet_since + QUIET_S)
-        report = self._stall() if self._stall is not None else None
+        report = self._notice() if self._notice is not None else None
         if now < due and report is None:
             return due
         # Redrawn only on a terminal of ours: an application's handler (or pytest's) would
@@ -74,7 +86,7 @@ class StatusLine:
         in_place = self._in_place and not messages.configured(logger)
         every = REDRAW_S if in_place else REPEAT_S
         if report is not None:
-            return self._show_stall(report, now, in_place, every)
+            return self._show_notice(report, now, in_place, every)
         if self._shown_at is not None and now < self._shown_at + every:
             return self._shown_at + every
         self._shown_at = now
@@ -90,14 +102,13 @@ class StatusLine:
         return now + every
 
 
-    def _show_stall(self, report: StallReport, now: float, in_place: bool, every: float) -> float:
-        """Say who makes no progress: at once when that changed, else as the line would."""
-        key = tuple((g.ranks, str(g.place)) for g in report.groups)
-        changed = key != self._stall_shown
+    def _show_notice(self, notice: Notice, now: float, in_place: bool, every: float) -> float:
+        """Say it: at once when it changed, else as the line would."""
+        changed = notice.key != self._notice_shown
         if not changed and self._shown_at is not None and now < self._shown_at + every:
             return self._shown_at + every
-        self._shown_at, self._stall_shown = now, key
-        text = str(report) if changed and not in_place else report.line()
+        self._shown_at, self._notice_shown = now, notice.key
+        text = notice.full if changed and not in_place else notice.line
         messages.emit(logger, logging.WARNING, text, in_place=in_place)
         return now + every
 

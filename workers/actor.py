@@ -178,7 +178,7 @@ class RankActor:
             base = self._spec = pickle.loads(packed_spec)  # noqa: S301 - our driver's
             self._packed_spec = packed_spec
         spec = _for_call(base, call, share_key=f"{call.share_key}-{self._node_id[:16]}")
-        outcome = self._run(spec, payload)
+        outcome = self._run(spec, payload, watched=call.watched)
         try:
             return cloudpickle.dumps(outcome)
         except Exception as exc:  # noqa: BLE001 - reported as the rank's failure
@@ -188,7 +188,9 @@ class RankActor:
             )
             return cloudpickle.dumps(self._failure(problem, time.time(), setup=False))
 
-    def _run(self, spec: RankSpec, packed: bytes | Payload) -> RankResult | RankFailure:
+    def _run(
+        self, spec: RankSpec, packed: bytes | Payload, *, watched: bool = True
+    ) -> RankResult | RankFailure:
         payload: Payload = pickle.loads(packed) if isinstance(packed, bytes) else packed  # noqa: S301 - from our own driver
         self._local_rank = spec.local_rank
         try:
@@ -210,13 +212,16 @@ class RankActor:
         error_file = os.environ.get(elastic.VAR, "")
         elastic.forget(error_file)  # an earlier call's
         started = time.time()
-        self._sampler.begin()
+        sampler = self._sampler if watched else None
+        if sampler is not None:
+            sampler.begin()
         try:
             with script.driver_main(fn):
                 value = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             when = time.time()  # before peers notice, so the root cause is the earliest
-            self._sampler.end()
+            if sampler is not None:
+                sampler.end()
             if spec.post_mortem and exc.__traceback__ is not None:
                 debugger.post_mortem(exc.__traceback__)
             _destroy_process_group()
@@ -233,7 +238,8 @@ class RankActor:
                 traceback=report.traceback or failure.traceback,
                 error_file=report.path,
             )
-        self._sampler.end()
+        if sampler is not None:
+            sampler.end()
         _destroy_process_group()
         next_port, store_open = None, False
         if spec.rank == 0:

@@ -1,11 +1,12 @@
-"""Where a rank's function is, sampled in the rank once a second and read per node.
+"""Where a rank's function is and where its time goes, sampled in the rank, read per node.
 
-While a call runs, a thread of the rank looks at the function thread's stack (no
-signal, no pause: `sys._current_frames`) and writes a small record to this user's
-private folder on the node: the stack, since when it has not changed, and when it
-looked. Any rank of the node reads its peers' records in one call (`read`), so the
-driver asks one rank per node. A rank that cannot run Python (a C call that holds the
-GIL, a stopped process) stops writing: its record ages, and that says so.
+While a call runs, a thread of the rank looks at the function thread's stack five
+times a second (no signal, no pause: `sys._current_frames`), counts the looks per place
+and phase, and once a second writes a small record to this user's private folder on
+the node: the stack, since when it has not changed, when it looked, the counts, and the
+process's CPU and memory. Any rank of the node reads its peers' records in one call
+(`read`), so the driver asks one rank per node. A rank that cannot run Python (a C call
+that holds the GIL, a stopped process) stops writing: its record ages, and that says so.
 """
 
 from __future__ import annotations
@@ -26,8 +27,17 @@ from typing import Any
 from orchestrator_workers import private
 from orchestrator_workers.stacks import after_entry, frames_of
 
-SAMPLE_S = 1.0
+SAMPLE_S = 0.2
 """How often a running rank looks at where its function is."""
+WRITE_EVERY = 5
+"""Looks per record written (once a second)."""
+MAX_PLACES = 64
+"""Places counted per call; looks at further ones count as OTHER."""
+OTHER = "(other places)"
+COLLECTIVE, BACKWARD, DATA, COMPUTE = "collective", "backward", "data loading", "compute"
+"""A look's phase: in a torch.distributed collective, in autograd's backward (DDP's
+all-reduce waits there too), in a DataLoader, or anything else."""
+_C10D = "torch/distributed/distributed_c10d.py"
 RECORDER_AFTER_S = 2.0
 """How long a stack stays the same before the rank reads torch's flight recorder."""
 _LIBRARY = tuple(
@@ -53,6 +63,62 @@ class Frame:
 
 
 @dataclass(frozen=True)
+class Place:
+    """Where a rank's function is: its innermost frame of the user's code, and what
+    that frame called (a collective, a library function), if any."""
+
+    file: str
+    line: int
+    function: str
+    code: str = ""
+    calls: str = ""
+    """The collective ('all_reduce') or library function ('torch.serialization.save')."""
+    collective: bool = False
+
+    def __str__(self) -> str:
+        """'in all_reduce at train.py:42', 'at loader.py:88 in __getitem__ (`x = f()`)'."""
+        if not self.line:
+            return "in no Python frame"
+        at = f"{os.path.basename(self.file)}:{self.line}"
+        if self.calls:
+            return f"in {self.calls} at {at}"
+        code = f" (`{self.code}`)" if self.code else ""
+        return f"at {at} in {self.function}{code}"
+
+
+UNSEEN = Place("?", 0, "?")
+"""The place of a rank whose function thread shows no Python frame."""
+
+
+def place_of(frames: tuple[Frame, ...] | list[Frame]) -> Place:
+    """The place of a stack (outermost frame first)."""
+    if not frames:
+        return UNSEEN
+    user = [i for i, f in enumerate(frames) if not f.library]
+    at = user[-1] if user else len(frames) - 1
+    here, inner = frames[at], frames[at + 1 :]
+    for f in inner:  # the collective itself, not the wrapper that logs it
+        if f.file.endswith(_C10D) and not f.function.startswith("_"):
+            return Place(here.file, here.line, here.function, here.code, f.function, True)
+    calls = f"{_module(inner[0].file)}.{inner[0].function}" if inner else ""
+    return Place(here.file, here.line, here.function, here.code, calls)
+
+
+def phase_of(frames: tuple[Frame, ...] | list[Frame]) -> str:
+    """The phase a stack is in (COLLECTIVE, BACKWARD, DATA or COMPUTE)."""
+    for f in frames:
+        if f.file.endswith(_C10D) and not f.function.startswith("_"):
+            return COLLECTIVE
+    for f in frames:
+        autograd = "torch/autograd/" in f.file or f.file.endswith("torch/_tensor.py")
+        if autograd and f.function == "backward":
+            return BACKWARD
+        if "torch/utils/data/" in f.file:
+            return DATA
+    return COMPUTE
+
+
+@dataclass(frozen=True)
 class Where:
     """Where one rank's function was when it last looked, as read on its node."""
 
@@ -66,13 +132,31 @@ class Where:
     age_s: float | None
     """How long ago the rank last looked (None: it never has); a rank that cannot run
     Python stops looking."""
+    cpu: float = 0.0
+    """The share of a core the function's thread used between its last two looks: a
+    rank at one place that computes (a tight loop, a long kernel) shows here, a rank
+    that waits does not."""
     collective: str = ""
     """The last collective in torch's flight recorder, once the stack stayed the same
     RECORDER_AFTER_S: 'gloo:all_reduce #42, not done'."""
+    samples: int = 0
+    """Looks during this call."""
+    places: dict[str, int] | None = None
+    """Looks per place (str(Place)) during this call."""
+    functions: dict[str, int] | None = None
+    """Looks per function of the user's code ('in _spin at train.py'): a loop over
+    several lines is one function."""
+    phases: dict[str, tuple[int, float]] | None = None
+    """Per phase: looks, and the process's CPU (cores) summed over those looks."""
+    process_cpu: float = 0.0
+    """Cores the whole process used over the last second (every thread: torch's too)."""
+    rss_mb: float = 0.0
+    gpu_mb: float | None = None
+    """torch's CUDA memory allocated, where the rank has initialized CUDA."""
 
 
 class Sampler:
-    """A rank's look at its function thread, once a second while a call runs."""
+    """A rank's look at its function thread, five times a second while a call runs."""
 
     def __init__(self) -> None:
         """Nothing sampled until `begin`; the thread starts with the first call."""
@@ -84,8 +168,20 @@ class Sampler:
         self._writing = threading.Lock()
         self._key: tuple[object, ...] | None = None
         self._since = 0.0
-        self._frames: list[list[object]] = []
+        self._frames: list[Frame] = []
+        self._place = ""
+        self._function = ""
+        self._phase = COMPUTE
         self._collective = ""
+        self._tid = 0
+        self._cpu = 0.0
+        self._last_cpu = (0.0, 0.0)
+        self._last_process = (0.0, 0.0)
+        self._process_cpu = 0.0
+        self._looks = 0
+        self._places: dict[str, int] = {}
+        self._functions: dict[str, int] = {}
+        self._phases: dict[str, list[float]] = {}
 
     def begin(self) -> None:
         """The calling thread runs a call's function from now on: watch it.
@@ -95,6 +191,11 @@ class Sampler:
         """
         now = time.time()
         self._key, self._since, self._frames, self._collective = None, now, [], ""
+        self._place, self._phase = str(UNSEEN), COMPUTE
+        self._tid, self._cpu = threading.get_native_id(), 0.0
+        self._last_cpu = (now, _thread_cpu_s(self._tid))
+        self._last_process, self._process_cpu = (now, time.process_time()), 0.0
+        self._looks, self._places, self._functions, self._phases = 0, {}, {}, {}
         self._ident = threading.get_ident()
         if self._thread is None:
             folder = _folder()
@@ -125,12 +226,39 @@ class Sampler:
         frame = sys._current_frames().get(ident)
         stack = after_entry(frames_of(frame), "run") or []
         key = tuple((f.f_code, f.f_lineno) for f in stack)
+        del frame
         if key != self._key:
             self._key, self._since, self._collective = key, now, ""
             self._frames = [
                 _frame(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f in stack
             ]
-        elif not self._collective and now - self._since >= RECORDER_AFTER_S:
+            where = place_of(self._frames)
+            self._place, self._phase = str(where), phase_of(self._frames)
+            self._function = f"in {where.function} at {os.path.basename(where.file)}"
+        del stack
+        process = time.process_time()
+        was_at, was_used = self._last_process
+        rate = max(0.0, process - was_used) / max(now - was_at, 1e-3)
+        self._last_process = (now, process)
+        self._looks += 1
+        place = self._place
+        if place not in self._places and len(self._places) >= MAX_PLACES:
+            place = OTHER
+        self._places[place] = self._places.get(place, 0) + 1
+        function = self._function
+        if function not in self._functions and len(self._functions) >= MAX_PLACES:
+            function = OTHER
+        self._functions[function] = self._functions.get(function, 0) + 1
+        phase = self._phases.setdefault(self._phase, [0, 0.0])
+        phase[0] += 1
+        phase[1] += rate
+        if self._looks % WRITE_EVERY:
+            return
+        used = _thread_cpu_s(self._tid)
+        was, self._last_cpu = self._last_cpu, (now, used)
+        self._cpu = max(0.0, used - was[1]) / max(now - was[0], 1e-3)
+        self._process_cpu = rate
+        if not self._collective and now - self._since >= RECORDER_AFTER_S:
             self._collective = last_collective() or " "  # read once per stuck stack
         if self._ident == ident:  # not ended meanwhile
             self._write(now, running=True)
@@ -142,8 +270,18 @@ class Sampler:
             "sampled": now,
             "since": self._since,
             "running": running,
-            "frames": self._frames if running else [],
+            "cpu": round(self._cpu, 2),
+            "frames": [
+                [f.file, f.line, f.function, f.code, f.library] for f in self._frames
+            ] if running else [],
             "collective": self._collective.strip(),
+            "samples": self._looks,
+            "places": self._places,
+            "functions": self._functions,
+            "phases": self._phases,
+            "process_cpu": round(self._process_cpu, 2),
+            "rss_mb": round(_rss_mb(), 1),
+            "gpu_mb": _gpu_mb(),
         }
         data = json.dumps(record).encode()
         with self._writing, contextlib.suppress(OSError):
@@ -173,7 +311,17 @@ def read(pids: dict[int, int]) -> list[Where]:
                 running=bool(record["running"]),
                 still_s=max(0.0, now - float(record["since"])),
                 age_s=max(0.0, now - float(record["sampled"])),
+                cpu=float(record.get("cpu", 0.0)),
                 collective=str(record.get("collective", "")),
+                samples=int(record.get("samples", 0)),
+                places={str(k): int(v) for k, v in record.get("places", {}).items()},
+                functions={str(k): int(v) for k, v in record.get("functions", {}).items()},
+                phases={
+                    str(k): (int(v[0]), float(v[1])) for k, v in record.get("phases", {}).items()
+                },
+                process_cpu=float(record.get("process_cpu", 0.0)),
+                rss_mb=float(record.get("rss_mb", 0.0)),
+                gpu_mb=None if record.get("gpu_mb") is None else float(record["gpu_mb"]),
             )
         )
     return found
@@ -219,10 +367,56 @@ def _record(path: Path) -> dict[str, Any] | None:
     return None
 
 
-def _frame(file: str, line: int, function: str) -> list[object]:
+def _rss_mb() -> float:
+    """This process's resident memory (statm: pages)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _gpu_mb() -> float | None:
+    """torch's CUDA memory allocated on this rank's device, where CUDA is initialized
+    (never initialized here: that would take a GPU context)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return round(torch.cuda.memory_allocated() / 2**20, 1)
+    except Exception:  # noqa: BLE001 - no CUDA build, or a driver problem: not shown
+        return None
+
+
+def _module(file: str) -> str:
+    """'torch.serialization' for .../site-packages/torch/serialization.py."""
+    path = file.removesuffix(".py")
+    for marker in ("-packages/", "/lib/python"):
+        if marker in path:
+            path = path.rsplit(marker, 1)[1]
+            if marker == "/lib/python":  # 3.11/threading
+                path = path.split("/", 1)[-1]
+            break
+    else:
+        path = os.path.basename(path)
+    return path.removesuffix("/__init__").replace("/", ".")
+
+
+def _thread_cpu_s(tid: int) -> float:
+    """CPU seconds thread `tid` of this process has used (schedstat: nanoseconds)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as stat:
+            return int(stat.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _frame(file: str, line: int, function: str) -> Frame:
     code = linecache.getline(file, line).strip()
     library = file.startswith("<") or file.startswith(_LIBRARY) or "-packages/" in file
-    return [file, line, function, code[:200], library]
+    return Frame(file, line, function, code[:200], library)
 
 
 def _folder() -> Path:

@@ -1,0 +1,289 @@
+"""Naming the rank that holds a job back (issue 24): how soon, how right, at what cost.
+
+    python -m benchmarks.bench_diagnose                      # 8, 16, 32 ranks (~25 min)
+    python -m benchmarks.bench_diagnose --sizes 8 --repeats 1
+
+For each size a `ray.cluster_utils.Cluster` runs N/8 nodes of 8 CPUs on this machine,
+and one warm gloo job (`distribute(..., replicas_per_node=8, stall_after=10)`) is held
+back by one rank in each way below, for a while, then goes on (the pool stays warm):
+
+- sleep: a rank sleeps before an all_reduce (its peers wait in it);
+- lock: a rank blocks on a lock before it;
+- gil: a rank (the local rank 0 of the last node: its node's reader) calls libc's sleep
+  through ctypes.PyDLL, which holds the GIL, so it cannot look at its own stack;
+- sigstop: a rank stops itself (SIGSTOP), as on a node cut off; the driver sends SIGCONT;
+- busy: a rank computes in a tight loop while its peers wait: its stack may read the
+  same at each look, its CPU tells it apart.
+
+Each case reports when the job's report first named that rank (as the odd one out, or
+as the one still moving for `busy`), counted from the moment the rank began to hold the
+job back, and whether the first report the job gave was right. `stall_after` is 10 s
+here, not the default 60, so that the run fits in half an hour: what counts is the
+time beyond it. Then, with the detector on and off in turns (7 runs each): a balanced
+loop's steps per second (and whether it was ever reported: it must not be), the
+driver's CPU, the rank's sampler thread's CPU per rank-minute, and a warm empty call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PER_NODE = 8
+STALL_AFTER_S = 10.0
+HELD_S = {"sleep": 30, "lock": 30, "gil": 35, "sigstop": 0, "busy": 30}
+CASES = tuple(HELD_S)
+_NAME_LIMIT_S = 60.0
+
+
+def job(case: str, held_rank: int = -1, held: float = 0.0, marks: str = "", steps: int = 0) -> Any:
+    """The job every case runs: an all_reduce, one rank holding the others back, another."""
+    if case == "noop":
+        return 0
+    import ctypes
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if case == "balanced":
+        started = time.perf_counter()
+        for _ in range(steps):
+            dist.all_reduce(t)
+            time.sleep(0.02)
+        return steps / (time.perf_counter() - started)
+    if rank == held_rank:
+        Path(marks, case).write_text(str(time.time()))
+        if case == "sleep":
+            time.sleep(held)
+        elif case == "lock":
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire(timeout=held)
+        elif case == "gil":
+            ctypes.PyDLL(None).sleep(int(held))
+        elif case == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif case == "busy":
+            end = time.monotonic() + held
+            while time.monotonic() < end:
+                total = sum(range(1000))
+                total += 1
+    dist.all_reduce(t)
+    return rank
+
+
+def _held_rank(case: str, size: int) -> int:
+    if case == "gil":
+        return size - PER_NODE  # its node's reader
+    return size - 3 if case != "sigstop" else size - 5
+
+
+def _named(report: Any, case: str, rank: int) -> bool:
+    """Whether `report` names `rank` as the case has it."""
+    if report is None or not report.groups:
+        return False
+    if case == "busy":  # the odd one out or the one still moving, on CPU either way
+        ours = [g for g in report.groups if g.ranks == (rank,) and g.cpu >= 0.5]
+        return bool(ours) and (ours[0].moving or ours[0] is report.groups[0])
+    first = next((g for g in report.groups if not g.moving), None)
+    if first is None or first.ranks != (rank,):
+        return False
+    if case in ("gil", "sigstop"):
+        return not first.answers
+    return True
+
+
+def run_case(fn: Any, case: str, size: int, marks: Path) -> dict[str, Any]:
+    """One held-back call: when the rank was named, and whether the first report was right."""
+    rank = _held_rank(case, size)
+    mark = marks / case
+    mark.unlink(missing_ok=True)
+    job_ = fn.submit(case, rank, HELD_S[case], str(marks))
+    first_right: bool | None = None
+    named_at = None
+    pid = fn.pids()[rank] if case == "sigstop" else None
+    deadline = time.monotonic() + 240
+    try:
+        while not job_.done() and time.monotonic() < deadline:
+            call = job_.call
+            report = call.stall if call is not None else None
+            if report is not None and first_right is None:
+                first_right = _named(report, case, rank) or (
+                    case in ("gil", "sigstop") and report.groups[0].ranks == (rank,)
+                )
+            if named_at is None and _named(report, case, rank):
+                named_at = time.time()
+                if pid is not None:
+                    os.kill(pid, signal.SIGCONT)
+            late = mark.exists() and time.time() - float(mark.read_text()) > _NAME_LIMIT_S
+            if pid is not None and late:
+                os.kill(pid, signal.SIGCONT)  # not named in time: let it go on
+            time.sleep(0.2)
+        job_.result(timeout=240)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+    began = float(mark.read_text()) if mark.exists() else None
+    return {
+        "case": case,
+        "named_s": None if named_at is None or began is None else named_at - began,
+        "first_right": bool(first_right),
+    }
+
+
+def _sampler_cpu_s(pids: list[int]) -> float:
+    """CPU seconds the ranks' sampler threads (named 'where') have used, in all."""
+    total = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                if (task / "comm").read_text().strip() == "where":
+                    total += int((task / "schedstat").read_text().split()[0])
+            except OSError:
+                continue
+    return total / 1e9
+
+
+def overhead(fn: Any, runs: int, steps: int) -> dict[str, Any]:
+    """The detector on vs off, in turns: balanced steps/s, driver CPU/s, sampler, warm call."""
+    off = fn.with_options(stall_after=None)
+    rate: dict[str, list[float]] = {"on": [], "off": []}
+    driver: dict[str, list[float]] = {"on": [], "off": []}
+    call_ms: dict[str, list[float]] = {"on": [], "off": []}
+    sampler_s, ranks_s, reported = 0.0, 0.0, 0
+    pids = fn.pids()
+    for _ in range(runs):
+        for mode, f in (("on", fn), ("off", off)):
+            before_cpu, before_s = time.process_time(), time.monotonic()
+            before_sampler = _sampler_cpu_s(pids)
+            job_ = f.submit("balanced", steps=steps)
+            while not job_.done():
+                call = job_.call
+                reported += mode == "on" and call is not None and call.stall is not None
+                time.sleep(0.2)
+            rates = job_.result()
+            took = time.monotonic() - before_s
+            rate[mode].append(statistics.median(rates))
+            driver[mode].append((time.process_time() - before_cpu) / took)
+            if mode == "on":
+                sampler_s += _sampler_cpu_s(pids) - before_sampler
+                ranks_s += took * len(pids)
+            for _ in range(10):
+                started = time.perf_counter()
+                f("noop")
+                call_ms[mode].append((time.perf_counter() - started) * 1e3)
+    med = statistics.median
+    return {
+        "steps_on": med(rate["on"]),
+        "steps_off": med(rate["off"]),
+        "driver_on": med(driver["on"]),
+        "driver_off": med(driver["off"]),
+        "call_on": med(call_ms["on"]),
+        "call_off": med(call_ms["off"]),
+        "sampler_per_rank_min": sampler_s / ranks_s * 60 if ranks_s else 0.0,
+        "balanced_reported": reported,
+    }
+
+
+def measure(size: int, repeats: int, runs: int, steps: int, tmp: str) -> dict[str, Any]:
+    """Every case `repeats` times and the overhead, on a fresh simulated cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator import distribute
+
+    os.environ["RAY_TMPDIR"] = tmp
+    args = {"num_cpus": PER_NODE, "object_store_memory": 96 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args=args)
+    for _ in range(size // PER_NODE - 1):
+        cluster.add_node(**args)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    marks = Path(tempfile.mkdtemp(prefix="marks", dir=tmp))
+    fn = distribute(
+        job,
+        num_replicas=size,
+        replicas_per_node=PER_NODE,
+        cpus_per_replica=1,
+        gpus_per_replica=0,
+        log_dir=False,
+        stall_after=STALL_AFTER_S,
+        name="diag",
+    )
+    try:
+        fn("noop")  # the pool starts
+        cases = [run_case(fn, case, size, marks) for _ in range(repeats) for case in CASES]
+        for c in cases:
+            named = "-" if c["named_s"] is None else f"{c['named_s']:.1f} s"
+            print(f"[bench] {size} ranks, {c['case']}: named after {named}, "
+                  f"first report right: {c['first_right']}", flush=True)
+        costs = overhead(fn, runs, steps)
+    finally:
+        fn.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    return {"size": size, "cases": cases, **costs}
+
+
+def main() -> None:
+    """Run the sizes asked for, print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="8,16,32", help="rank counts, multiples of 8")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each case per size")
+    parser.add_argument("--runs", type=int, default=7, help="on/off runs of the balanced loop")
+    parser.add_argument("--steps", type=int, default=500, help="balanced loop steps per run")
+    args = parser.parse_args()
+    os.environ.setdefault("ORCHESTRATOR_STATUS", "0")  # the reports are read, not shown
+    started = time.monotonic()
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        tmp = tempfile.mkdtemp(prefix="rd", dir="/tmp")
+        try:
+            rows.append(measure(size, args.repeats, args.runs, args.steps, tmp))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    took = time.monotonic() - started
+    print(f"\nbench_diagnose: {os.cpu_count()} cores; nodes of {PER_NODE} CPUs on this machine; "
+          f"stall_after={STALL_AFTER_S:g} s; {args.repeats} run(s) per case; {took / 60:.1f} min")
+    print("ranks | case | named after (median, max) | beyond stall_after | first report right")
+    for row in rows:
+        for case in CASES:
+            got = [c for c in row["cases"] if c["case"] == case]
+            times = [c["named_s"] for c in got if c["named_s"] is not None]
+            right = sum(c["first_right"] for c in got)
+            if times:
+                named = f"{statistics.median(times):.1f} s, {max(times):.1f} s"
+                beyond = f"{statistics.median(times) - STALL_AFTER_S:+.1f} s"
+            else:
+                named, beyond = "never", "-"
+            missed = len(got) - len(times)
+            named += f" ({missed} of {len(got)} not named)" if missed else ""
+            print(f"{row['size']} | {case} | {named} | {beyond} | {right} of {len(got)}")
+    print(f"\nDetector on vs off, {args.runs} runs each in turns (a balanced gloo loop of "
+          f"{args.steps} steps of all_reduce + 20 ms; medians):")
+    print("ranks | steps/s on / off | driver CPU on / off | sampler CPU per rank-minute | "
+          "warm empty call on / off | balanced loop reported")
+    for row in rows:
+        print(
+            f"{row['size']} | {row['steps_on']:.1f} / {row['steps_off']:.1f} | "
+            f"{row['driver_on']:.1%} / {row['driver_off']:.1%} | "
+            f"{row['sampler_per_rank_min'] * 1e3:.2f} ms ({row['sampler_per_rank_min'] / 60:.4%} "
+            f"of a core) | {row['call_on']:.1f} / {row['call_off']:.1f} ms | "
+            f"{row['balanced_reported']} times"
+        )
+
+
+if __name__ == "__main__":
+    main()
