@@ -15,13 +15,19 @@ back by one rank in each way below, for a while, then goes on (the pool stays wa
 - busy: a rank computes in a tight loop while its peers wait: its stack may read the
   same at each look, its CPU tells it apart.
 
+And a small gloo DDP loop (40 s) in which one rank adds 30% to each step, as a sleep and
+as busy torch work (`ddp-sleep`, `ddp-busy`): when the slow rank was named (from the
+call's start: its counts need 15 s), and whether the report named that rank, its line
+and its peers' wait in backward.
+
 Each case reports when the job's report first named that rank (as the odd one out, or
 as the one still moving for `busy`), counted from the moment the rank began to hold the
 job back, and whether the first report the job gave was right. `stall_after` is 10 s
 here, not the default 60, so that the run fits in half an hour: what counts is the
 time beyond it. Then, with the detector on and off in turns (7 runs each): a balanced
-loop's steps per second (and whether it was ever reported: it must not be), the
-driver's CPU, the rank's sampler thread's CPU per rank-minute, and a warm empty call.
+DDP loop's steps per second (and whether it was ever reported, hung or slow: it must
+not be), the driver's CPU, the rank's sampler thread's CPU per rank-minute, and a warm
+empty call.
 """
 
 from __future__ import annotations
@@ -38,8 +44,11 @@ from typing import Any
 
 PER_NODE = 8
 STALL_AFTER_S = 10.0
-HELD_S = {"sleep": 30, "lock": 30, "gil": 35, "sigstop": 0, "busy": 30}
+HELD_S = {"sleep": 20, "lock": 20, "gil": 25, "sigstop": 0, "busy": 20}
 CASES = tuple(HELD_S)
+SLOW = ("ddp-sleep", "ddp-busy")
+SLOW_RUN_S = 40.0
+"""How long each straggler run's loop lasts (the slow rank must be named within 30 s)."""
 _NAME_LIMIT_S = 60.0
 
 
@@ -57,12 +66,8 @@ def job(case: str, held_rank: int = -1, held: float = 0.0, marks: str = "", step
     rank = dist.get_rank()
     t = torch.ones(1)
     dist.all_reduce(t)
-    if case == "balanced":
-        started = time.perf_counter()
-        for _ in range(steps):
-            dist.all_reduce(t)
-            time.sleep(0.02)
-        return steps / (time.perf_counter() - started)
+    if case.startswith("ddp"):  # ddp, ddp-sleep, ddp-busy: held_rank 30% slower
+        return _ddp(dist, rank, held_rank, case.removeprefix("ddp-"), steps)
     if rank == held_rank:
         Path(marks, case).write_text(str(time.time()))
         if case == "sleep":
@@ -82,6 +87,50 @@ def job(case: str, held_rank: int = -1, held: float = 0.0, marks: str = "", step
                 total += 1
     dist.all_reduce(t)
     return rank
+
+
+def _ddp(dist: Any, rank: int, slow_rank: int, how: str, seconds: float) -> float:
+    """A small DDP loop for `seconds`; `slow_rank` adds 30% to each step (sleep or busy
+    torch work) after the step's last collective. Steps per second."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 256), torch.randn(64, 1)
+    stop, steps = torch.zeros(1), 0
+    started = time.perf_counter()
+    end = time.monotonic() + seconds
+    while True:
+        began = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+        stop.fill_(time.monotonic() >= end)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            break
+        if rank == slow_rank:
+            extra = 0.3 * (time.perf_counter() - began)
+            if how == "busy":
+                _busy(extra)
+            else:
+                time.sleep(extra)
+    return steps / (time.perf_counter() - started)
+
+
+def _busy(seconds: float) -> None:
+    import torch
+
+    a = torch.randn(96, 96)
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        a = torch.tanh(a @ a)
 
 
 def _held_rank(case: str, size: int) -> int:
@@ -123,6 +172,8 @@ def run_case(fn: Any, case: str, size: int, marks: Path) -> dict[str, Any]:
                 first_right = _named(report, case, rank) or (
                     case in ("gil", "sigstop") and report.groups[0].ranks == (rank,)
                 )
+                if not first_right:
+                    print(f"[bench] {case}: first report: {report.line()}", flush=True)
             if named_at is None and _named(report, case, rank):
                 named_at = time.time()
                 if pid is not None:
@@ -143,43 +194,62 @@ def run_case(fn: Any, case: str, size: int, marks: Path) -> dict[str, Any]:
     }
 
 
-def _sampler_cpu_s(pids: list[int]) -> float:
-    """CPU seconds the ranks' sampler threads (named 'where') have used, in all."""
-    total = 0
-    for pid in pids:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                if (task / "comm").read_text().strip() == "where":
-                    total += int((task / "schedstat").read_text().split()[0])
-            except OSError:
-                continue
-    return total / 1e9
+def run_slow(fn: Any, case: str, size: int) -> dict[str, Any]:
+    """One DDP loop with a slow rank: when it was named (from the call's start), and right."""
+    rank = size - 3
+    started = time.monotonic()
+    job_ = fn.submit(case, rank, 0.0, "", SLOW_RUN_S)
+    named_s, right, first = None, False, ""
+    while not job_.done():
+        call = job_.call
+        slow = call.slow if call is not None else []
+        if slow and named_s is None:
+            named_s = time.monotonic() - started
+            first = slow[0].sentence()
+            word = "_busy" if case.endswith("busy") else "time.sleep(extra)"
+            right = [s.rank for s in slow] == [rank] and word in first and "backward" in first
+        time.sleep(0.25)
+    job_.result()
+    return {"case": case, "named_s": named_s, "first_right": right, "first": first}
 
 
-def overhead(fn: Any, runs: int, steps: int) -> dict[str, Any]:
-    """The detector on vs off, in turns: balanced steps/s, driver CPU/s, sampler, warm call."""
+def _looking(call: Any) -> dict[int, tuple[float, float]]:
+    """Per rank: the CPU seconds its looking had cost, and when that was read."""
+    watch = call.watch if call is not None else None
+    if watch is None:
+        return {}
+    return {rank: (w.sampler_s, at) for rank, (w, at) in watch.where.items()}
+
+
+def overhead(fn: Any, runs: int, steps: float) -> dict[str, Any]:
+    """The detector on vs off, in turns: a balanced DDP loop's steps/s (for `steps`
+    seconds), the driver's CPU, the sampler's, a warm empty call."""
     off = fn.with_options(stall_after=None)
     rate: dict[str, list[float]] = {"on": [], "off": []}
     driver: dict[str, list[float]] = {"on": [], "off": []}
     call_ms: dict[str, list[float]] = {"on": [], "off": []}
     sampler_s, ranks_s, reported = 0.0, 0.0, 0
-    pids = fn.pids()
     for _ in range(runs):
         for mode, f in (("on", fn), ("off", off)):
             before_cpu, before_s = time.process_time(), time.monotonic()
-            before_sampler = _sampler_cpu_s(pids)
-            job_ = f.submit("balanced", steps=steps)
+            job_ = f.submit("ddp", -1, 0.0, "", steps)
+            first: dict[int, tuple[float, float]] = {}
             while not job_.done():
                 call = job_.call
-                reported += mode == "on" and call is not None and call.stall is not None
+                if mode == "on" and call is not None and (call.stall or call.slow):
+                    reported += 1
+                    print(f"[bench] balanced loop reported: {call.stall or call.slow}")
+                if mode == "on":  # each rank's first reading: counted from there
+                    first = {**_looking(call), **first}
                 time.sleep(0.2)
+            for rank, (used, at) in _looking(job_.call).items():  # its last, less its first
+                if rank in first and at > first[rank][1]:
+                    sampler_s += used - first[rank][0]
+                    ranks_s += at - first[rank][1]
             rates = job_.result()
             took = time.monotonic() - before_s
             rate[mode].append(statistics.median(rates))
             driver[mode].append((time.process_time() - before_cpu) / took)
-            if mode == "on":
-                sampler_s += _sampler_cpu_s(pids) - before_sampler
-                ranks_s += took * len(pids)
             for _ in range(10):
                 started = time.perf_counter()
                 f("noop")
@@ -197,7 +267,7 @@ def overhead(fn: Any, runs: int, steps: int) -> dict[str, Any]:
     }
 
 
-def measure(size: int, repeats: int, runs: int, steps: int, tmp: str) -> dict[str, Any]:
+def measure(size: int, repeats: int, runs: int, steps: float, tmp: str) -> dict[str, Any]:
     """Every case `repeats` times and the overhead, on a fresh simulated cluster."""
     import ray
     from ray.cluster_utils import Cluster
@@ -225,10 +295,11 @@ def measure(size: int, repeats: int, runs: int, steps: int, tmp: str) -> dict[st
     try:
         fn("noop")  # the pool starts
         cases = [run_case(fn, case, size, marks) for _ in range(repeats) for case in CASES]
+        cases += [run_slow(fn, case, size) for _ in range(repeats) for case in SLOW]
         for c in cases:
             named = "-" if c["named_s"] is None else f"{c['named_s']:.1f} s"
             print(f"[bench] {size} ranks, {c['case']}: named after {named}, "
-                  f"first report right: {c['first_right']}", flush=True)
+                  f"first report right: {c['first_right']} {c.get('first', '')}", flush=True)
         costs = overhead(fn, runs, steps)
     finally:
         fn.shutdown()
@@ -243,7 +314,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="8,16,32", help="rank counts, multiples of 8")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each case per size")
     parser.add_argument("--runs", type=int, default=7, help="on/off runs of the balanced loop")
-    parser.add_argument("--steps", type=int, default=500, help="balanced loop steps per run")
+    parser.add_argument("--steps", type=float, default=12.0, help="seconds per balanced run")
     args = parser.parse_args()
     os.environ.setdefault("ORCHESTRATOR_STATUS", "0")  # the reports are read, not shown
     started = time.monotonic()
@@ -259,22 +330,24 @@ def main() -> None:
           f"stall_after={STALL_AFTER_S:g} s; {args.repeats} run(s) per case; {took / 60:.1f} min")
     print("ranks | case | named after (median, max) | beyond stall_after | first report right")
     for row in rows:
-        for case in CASES:
+        for case in CASES + SLOW:
             got = [c for c in row["cases"] if c["case"] == case]
             times = [c["named_s"] for c in got if c["named_s"] is not None]
             right = sum(c["first_right"] for c in got)
             if times:
                 named = f"{statistics.median(times):.1f} s, {max(times):.1f} s"
                 beyond = f"{statistics.median(times) - STALL_AFTER_S:+.1f} s"
+                if case in SLOW:
+                    beyond = "(from the call's start)"
             else:
                 named, beyond = "never", "-"
             missed = len(got) - len(times)
             named += f" ({missed} of {len(got)} not named)" if missed else ""
             print(f"{row['size']} | {case} | {named} | {beyond} | {right} of {len(got)}")
-    print(f"\nDetector on vs off, {args.runs} runs each in turns (a balanced gloo loop of "
-          f"{args.steps} steps of all_reduce + 20 ms; medians):")
+    print(f"\nDetector on vs off, {args.runs} runs each in turns (a balanced gloo DDP loop "
+          f"for {args.steps:g} s; medians):")
     print("ranks | steps/s on / off | driver CPU on / off | sampler CPU per rank-minute | "
-          "warm empty call on / off | balanced loop reported")
+          "warm empty call on / off | balanced loop reported (hang or slow)")
     for row in rows:
         print(
             f"{row['size']} | {row['steps_on']:.1f} / {row['steps_off']:.1f} | "

@@ -131,17 +131,21 @@ class Call:
             None if options.stall_after is None else Watch(pool, self.started, options.stall_after)
         )
         self.stall: StallReport | None = None
+        """Ranks without progress for `stall_after`: who is where (None: all move)."""
         self.slow: list[Straggler] = []
         """Ranks slower than their peers, the slowest first (see orchestrator.straggle)."""
         self._judged = 0.0
-        """Ranks without progress for `stall_after`: who is where (None: all move)."""
+        self._compared = 0
+        """Node readings the slow ranks were last worked out from."""
+        self.notice: Notice | None = None
+        """What the status line must say now, as last worked out."""
         quiet = sink is not None  # a notebook cell shows the ranks' table instead
         self.status = None if quiet else StatusLine(
             pool.name,
             len(pool.actors),
             self.started,
             self._states,
-            self._notice,
+            lambda: self.notice,
         )
 
     def wait(self) -> list[Any]:
@@ -221,15 +225,22 @@ class Call:
                     self.console.last_times,
                     returned=self.results.keys(),
                 )
-            self.slow = watch.shares.stragglers(running) if self.stall is None else []
-            if self.stall is not None and self.on_stall == "raise":
+            if self.stall is not None:
+                self.slow = []
+            elif watch.readings != self._compared:  # new counts: compare the ranks again
+                self._compared = watch.readings
+                self.slow = watch.shares.stragglers(running, now)
+            self.notice = self._notice()
+            # Only when no rank moves: a rank saving a checkpoint while its peers wait at
+            # a barrier is shown, not stopped.
+            if self.stall is not None and self.stall.stalled and self.on_stall == "raise":
                 self._stall_out(self.stall)
         return min(due, self._judged + _JUDGE_S) if watch.where else due
 
     def use(self, rank: int) -> str:
         """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB'."""
         found = self.watch.where.get(rank) if self.watch is not None else None
-        if found is None:
+        if found is None or not found[0].running:
             return ""
         where = found[0]
         text = f"{where.process_cpu:.1f} cores, {where.rss_mb / 1024:.1f} GB"
@@ -237,8 +248,8 @@ class Call:
 
     def _notice(self) -> Notice | None:
         """What the status line must say now: ranks without progress, or slow ones."""
-        if self.stall is not None:
-            key = tuple((g.ranks, str(g.place)) for g in self.stall.groups)
+        if self.stall is not None:  # said again at once when who waits where changes
+            key = tuple((g.ranks, str(g.place)) for g in self.stall.groups if not g.moving)
             return Notice(key, self.stall.line(), str(self.stall))
         if self.slow:
             line = f"[{self.pool.name}] " + "; ".join(s.sentence() for s in self.slow)

@@ -1,10 +1,11 @@
 """A call that stopped moving: which ranks are where, the odd ones out first.
 
-Each rank looks at its own function thread once a second (`orchestrator_workers.progress`);
-`Watch` reads those looks one rank per node, every few seconds once a call has run a
-while. A rank makes progress while its stack changes or it writes output; a rank at a
-breakpoint is left out. Once ranks have made none for `stall_after` seconds,
-`StallReport` says who is where and for how long, facts only:
+Each rank looks at its own function thread five times a second (see
+`orchestrator_workers.progress`); `Watch` reads those looks one rank per node, every few
+seconds once a call has run a while. A rank makes progress while its stack changes, its
+last collective moves on, or it writes output; a rank at a breakpoint is left out. Once
+ranks have made none for `stall_after` seconds, `StallReport` says who is where and for
+how long, facts only:
 
     [train] no progress for 0:45: rank 5 is at loader.py:88 in __getitem__;
     127 ranks (r0-4,6-127) wait in all_reduce at train.py:42
@@ -102,7 +103,9 @@ class StallReport:
     returned: tuple[int, ...] = ()
     """Ranks whose function has returned while these run."""
     unread: tuple[int, ...] = ()
-    """Running ranks not read yet: nothing is said of them."""
+    """Running ranks not read yet (or not lately): nothing is said of where they are."""
+    outside: tuple[int, ...] = ()
+    """Ranks whose call runs but whose function does not (yet, or any more)."""
 
     @property
     def stalled(self) -> bool:
@@ -128,10 +131,20 @@ class StallReport:
         if self.returned:
             who = Group(self.returned, UNSEEN, False, True, 0.0, "").who()
             text += f"; {who} {'has' if len(self.returned) == 1 else 'have'} returned"
+        if self.outside:
+            who = Group(self.outside, UNSEEN, False, True, 0.0, "").who()
+            verb = "is" if len(self.outside) == 1 else "are"
+            text += f"; {who} {verb} not in the function (starting it, or returning)"
         if self.unread:
             who = Group(self.unread, UNSEEN, False, True, 0.0, "").who()
-            text += f"; {who} not read yet"
-        elif not self.returned and len(still) == 1 and not moving and still[0].place.collective:
+            text += f"; {who} not read lately"
+        elif (
+            not self.returned
+            and not self.outside
+            and len(still) == 1
+            and not moving
+            and still[0].place.collective
+        ):
             text += (
                 "; no rank of the job is elsewhere: what they wait for is outside the "
                 "job's ranks (the network, or a process outside the job)"
@@ -165,7 +178,7 @@ def report(
     rank last wrote; `mute`: ranks that did not answer the request to read their node.
     """
     seen: dict[tuple[Place, bool], list[tuple[int, float, Where | None]]] = {}
-    unread = []
+    unread, outside = [], []
     for rank in sorted(running):
         found = where.get(rank)
         quiet = now - last_output[rank]
@@ -176,11 +189,15 @@ def report(
             entry, place, answers, still = None, UNSEEN, False, quiet
         else:
             entry, read_at = found
-            if not entry.running:
-                continue  # between calls on the rank: its run's end is on its way
+            late = now - read_at
+            if not entry.running:  # setting up its call, or its run's end is on its way
+                outside.append(rank)
+                continue
+            if late > ANSWER_S + 5.0 and rank not in mute:  # its node was not read again
+                unread.append(rank)
+                continue
             # Since the reading its stack is taken to be the same; whether it answers is
             # what its own record said then (a node not read again says nothing of it).
-            late = now - read_at
             age = entry.age_s if entry.age_s is not None else quiet
             answers = age < ANSWER_S and rank not in mute
             place = place_of(entry.frames)
@@ -207,7 +224,9 @@ def report(
         )
     groups.sort(key=lambda g: (g.moving, len(g.ranks), g.ranks[0]))
     since_s = min(g.since_s for g in groups if not g.moving)
-    return StallReport(name, since_s, tuple(groups), tuple(sorted(returned)), tuple(unread))
+    return StallReport(
+        name, since_s, tuple(groups), tuple(sorted(returned)), tuple(unread), tuple(outside)
+    )
 
 
 class Watch:
@@ -231,6 +250,8 @@ class Watch:
         """Ranks that have not answered a request to read their node within ANSWER_S."""
         self.shares = Shares()
         """Where each rank's time went, for the slow ones (see orchestrator.straggle)."""
+        self.readings = 0
+        """How many node readings came back: what is judged changes only with them."""
 
     def tick(self, now: float) -> float:
         """Take the readings that came back, ask for the next if due; when to tick next."""
@@ -244,6 +265,7 @@ class Watch:
                     readings: list[Where] = ray.get(ref)
                 except RayError:  # the rank's actor died: its run says how
                     continue
+                self.readings += 1
                 for entry in readings:
                     self.where[entry.rank] = (entry, now)
                     self.shares.add(entry, now)

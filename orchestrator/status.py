@@ -77,6 +77,8 @@ class StatusLine:
         quiet_since = max(last_output, self.started)
         due = max(self.started + QUIET_S, quiet_since + QUIET_S)
         report = self._notice() if self._notice is not None else None
+        if report is None:
+            self._notice_shown = None  # the same notice, back later, is said at once
         if now < due and report is None:
             return due
         # Redrawn only on a terminal of ours: an application's handler (or pytest's) would

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from orchestrator_workers.progress import BACKWARD, Where
+from orchestrator_workers.progress import BACKWARD, OTHER_FUNCTIONS, OTHER_PLACES, Where
 
 WINDOW_S = 30.0
 """The span of the latest looks the shares are taken over."""
@@ -32,9 +32,16 @@ _LINE = re.compile(r":\d+")
 """In a place's name (a line of code); a function's has none ('in _spin at train.py')."""
 MIN_LOOKS = 75
 """Looks a rank needs in the window (15 s at five a second) before it is compared."""
-EXCESS = 0.15
-"""How far above its peers' share of time at one place makes a rank slow (15 points:
-four standard deviations of a share over 150 looks)."""
+EXCESS = 0.12
+"""How far above its peers' share of time at one place makes a rank slow, at least (a
+rank 30% slower per step spends 23% of its time where its peers spend none)."""
+Z = 4.0
+"""And at least this many standard deviations of its share over its looks (a share of
+0.5 over 150 looks: 16 points), so that chance over many places and ranks names nobody."""
+CONFIRM_S = 5.0
+"""How long a rank must keep being found slow before it is said to be."""
+STALE_S = 20.0
+"""A rank not read for this long is not compared."""
 
 
 @dataclass(frozen=True)
@@ -70,51 +77,71 @@ class Straggler:
         return text
 
 
+Counts = tuple[int, dict[str, int], dict[str, tuple[int, float]]]
+"""A reading's looks, its looks per place and function, and per phase (looks, CPU)."""
+
+
 class Shares:
     """Each rank's counts of where its time went, kept over the window."""
 
     def __init__(self) -> None:
         """No readings yet."""
-        self._history: dict[int, deque[tuple[float, Where]]] = {}
+        self._history: dict[int, deque[tuple[float, Counts]]] = {}
+        self._named: dict[int, float] = {}
+        """Ranks found slow, and since when (they are said to be once it lasts)."""
 
     def add(self, where: Where, now: float) -> None:
         """Take one reading of a rank (at `now`, monotonic)."""
         if not where.samples or not where.running:
             return
+        counts = {**(where.places or {}), **(where.functions or {})}
         history = self._history.setdefault(where.rank, deque())
-        history.append((now, where))
+        history.append((now, (where.samples, counts, dict(where.phases or {}))))
         # Keep the newest reading older than the window: the window's start.
         while len(history) > 2 and history[1][0] <= now - WINDOW_S:
             history.popleft()
 
-    def stragglers(self, ranks: Collection[int]) -> list[Straggler]:
-        """The ranks among `ranks` slower than their peers, the slowest first."""
+    def stragglers(self, ranks: Collection[int], now: float) -> list[Straggler]:
+        """The ranks among `ranks` slower than their peers (for `CONFIRM_S` at least,
+        so that one unlucky window names nobody), the slowest first."""
+        found = self._compare(ranks, now)
+        self._named = {s.rank: self._named.get(s.rank, now) for _, s in found}
+        return [s for _, s in found if now - self._named[s.rank] >= CONFIRM_S]
+
+    def _compare(self, ranks: Collection[int], now: float) -> list[tuple[float, Straggler]]:
         windows = {}
         for rank in ranks:
             history = self._history.get(rank)
-            if not history:
-                continue
+            if not history or history[-1][0] < now - STALE_S:
+                continue  # never read, or not lately: not compared
             (began, oldest), (ended, last) = history[0], history[-1]
             # The counts start with the call: a window as long as the call takes them all.
             first = oldest if began <= ended - WINDOW_S else None
-            looks = last.samples - (first.samples if first is not None else 0)
-            if looks < MIN_LOOKS:
-                continue
-            windows[rank] = (looks, _diff(last, first))
+            looks = last[0] - (first[0] if first is not None else 0)
+            if looks >= MIN_LOOKS:
+                windows[rank] = (looks, _diff(last, first))
         if len(windows) < 3:
             return []
         shares = {
             rank: {place: n / looks for place, n in places.items()}
             for rank, (looks, (places, _)) in windows.items()
         }
-        everywhere = set().union(*(s.keys() for s in shares.values()))
+        everywhere = set().union(*(s.keys() for s in shares.values())) - {
+            OTHER_PLACES,
+            OTHER_FUNCTIONS,
+        }
         usual = {p: statistics.median(s.get(p, 0.0) for s in shares.values()) for p in everywhere}
         found = []
         for rank, share in shares.items():
-            place, excess = max(
-                ((p, share.get(p, 0.0) - usual[p]) for p in everywhere), key=lambda x: x[1]
-            )
-            if excess < EXCESS:
+            looks = windows[rank][0]
+
+            def margin(p: str, looks: int = looks, share: dict[str, float] = share) -> float:
+                """How far its share at `p` is above the usual one, less what chance gives."""
+                q = max(share.get(p, 0.0), usual[p])
+                return share.get(p, 0.0) - usual[p] - max(EXCESS, Z * (q * (1 - q) / looks) ** 0.5)
+
+            place = max(everywhere, key=margin)
+            if margin(place) < 0:
                 continue
             waits, gap = max(  # a line, not a whole function
                 ((p, usual[p] - share.get(p, 0.0)) for p in everywhere if _LINE.search(p)),
@@ -133,24 +160,25 @@ class Shares:
                     share.get(waits, 0.0),
                     _backward_cpu(rank, windows) if "backward" in waits else None,
                 )
-            found.append((excess, slow))
+            found.append((share.get(place, 0.0) - usual[place], slow))
         if len(found) > max(1, len(shares) // 3):
             return []  # not a few slow ranks: the job runs in two kinds of step
-        return [slow for _, slow in sorted(found, key=lambda f: -f[0])]
+        return sorted(found, key=lambda f: -f[0])
 
 
 def _diff(
-    last: Where, first: Where | None
+    last: Counts, first: Counts | None
 ) -> tuple[dict[str, int], dict[str, tuple[int, float]]]:
-    """The counts between two readings (`first` None: since the call began)."""
-    was_places = {**(first.places or {}), **(first.functions or {})} if first else {}
-    was_phases = (first.phases if first is not None else None) or {}
-    # Places (lines) and functions counted alike: the keys never meet ('at ...:N in f'
-    # against 'in f at ...'), and whichever stands out more is named.
-    counts = {**(last.places or {}), **(last.functions or {})}
-    places = {p: n - was_places.get(p, 0) for p, n in counts.items()}
+    """The counts between two readings (`first` None: since the call began).
+
+    Places (lines) and functions are counted alike: their names never meet ('at
+    train.py:9 in f' against 'in f at train.py'), and whichever stands out more is named.
+    """
+    was_places = first[1] if first is not None else {}
+    was_phases = first[2] if first is not None else {}
+    places = {p: n - was_places.get(p, 0) for p, n in last[1].items()}
     phases = {}
-    for phase, (n, cpu) in (last.phases or {}).items():
+    for phase, (n, cpu) in last[2].items():
         was_n, was_cpu = was_phases.get(phase, (0, 0.0))
         phases[phase] = (n - was_n, cpu - was_cpu)
     return {p: n for p, n in places.items() if n > 0}, phases

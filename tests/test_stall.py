@@ -76,6 +76,11 @@ def test_all_ranks_in_one_collective_say_what_they_wait_for_is_outside_the_job()
     frames.pop(7)
     line = _report(_read(frames, still_s=61.0), returned=[7]).line()
     assert "rank 7 has returned" in line and "outside" not in line
+    # Or one has not begun its function (its call's setup is slow), or is returning.
+    where = _read(frames, still_s=61.0)
+    where[7] = (Where(7, (), False, 0.0, 0.5), 100.0)
+    line = _report(where).line()
+    assert line.endswith("rank 7 is not in the function (starting it, or returning)")
 
 
 def test_ranks_in_different_collectives_are_said_to_be():
@@ -95,7 +100,7 @@ def test_a_rank_that_stopped_looking_does_not_answer():
     # A node's reader that never answered, before any reading: named from the driver's side.
     line = _report({0: where[0], 1: where[1]}, ranks=[0, 1, 2, 3], mute=[2], quiet_s=80.0).line()
     assert "rank 2 does not answer (no look at its stack for 1:20)" in line
-    assert line.endswith("; rank 3 not read yet")  # and no claim on what the others wait for
+    assert line.endswith("; rank 3 not read lately")  # and no claim on what the others wait for
 
 
 def test_ranks_that_move_are_named_after_those_that_wait_for_them():
@@ -201,7 +206,7 @@ def test_a_rank_sleeping_before_a_collective_is_named_with_its_line(held):
     log.addHandler(kept)  # as an application's logging would: the report goes through it
     try:
         job = held.submit("sleep", 10)
-        line = _until_reported(job, "rank 3 is at test_stall.py")
+        line = _until_reported(job, "rank 3 is at test_stall.py", "(last collective: gloo:")
         assert "in _case (`time.sleep(held)`)" in line
         assert "3 ranks (r0-2) wait in all_reduce at test_stall.py" in line
         assert "(last collective: gloo:all_reduce" in line and "not done" in line  # recorder

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from orchestrator import distribute
-from orchestrator.straggle import MIN_LOOKS, Shares
+from orchestrator.straggle import CONFIRM_S, MIN_LOOKS, Shares
 from orchestrator_workers.progress import BACKWARD, COMPUTE, Where
 from tests.conftest import wait_resources_back
 
@@ -28,12 +28,15 @@ def _where(rank: int, looks: int, places: dict[str, float], cpu: float = 1.0) ->
     return Where(rank, (), True, 0.1, 0.1, samples=looks, places=counts, phases=phases)
 
 
-def _shares(readings: dict[int, list[Where]]) -> Shares:
+def _slow(readings: dict[int, list[Where]]) -> list:
+    """The slow ranks once the readings (15 s apart) have been compared twice, CONFIRM_S apart."""
     shares = Shares()
     for seen in readings.values():
         for i, where in enumerate(seen):
             shares.add(where, now=100.0 + 15 * i)
-    return shares
+    last = 100.0 + 15 * (max(len(seen) for seen in readings.values()) - 1)
+    shares.stragglers(readings, last)
+    return shares.stragglers(readings, last + CONFIRM_S)
 
 
 def test_the_slow_rank_is_named_with_its_place_and_where_its_peers_wait():
@@ -41,7 +44,7 @@ def test_the_slow_rank_is_named_with_its_place_and_where_its_peers_wait():
     usual = {FORWARD: 0.48, BACK: 0.46, LOADER: 0.06}
     later = {r: _where(r, 150, usual, cpu=0.1) for r in range(8)}
     later[5] = _where(5, 150, {FORWARD: 0.47, BACK: 0.12, LOADER: 0.41}, cpu=0.9)
-    slow = _shares({r: [start[r], later[r]] for r in range(8)}).stragglers(range(8))
+    slow = _slow({r: [start[r], later[r]] for r in range(8)})
     assert [s.rank for s in slow] == [5]
     assert slow[0].sentence() == (
         f"rank 5 spends 41% of its time {LOADER} (others 6%); its peers wait for it "
@@ -55,10 +58,10 @@ def test_a_balanced_job_and_too_few_looks_name_nobody():
         r: [_where(r, 0, {}), _where(r, 150, {FORWARD: 0.42 + r / 100, BACK: 0.52 - r / 100})]
         for r in range(8)
     }
-    assert _shares(noisy).stragglers(range(8)) == []
+    assert _slow(noisy) == []
     few = {r: [_where(r, 0, {}), _where(r, MIN_LOOKS - 1, usual)] for r in range(8)}
     few[5] = [_where(5, 0, {}), _where(5, MIN_LOOKS - 1, {LOADER: 1.0})]
-    assert _shares(few).stragglers(range(8)) == []
+    assert _slow(few) == []
 
 
 # A real DDP loop: `slow_rank` spends an extra 30% of each step at one line.
@@ -138,8 +141,8 @@ def test_a_balanced_ddp_loop_is_never_named(loop):
 
 @pytest.mark.parametrize("busy", [False, True], ids=["sleep", "busy"])
 def test_a_rank_30_percent_slower_is_named_with_its_line(loop, busy):
-    job = loop.submit(26.0, 2, busy)
-    slow = _flagged(job, 40.0)
+    job = loop.submit(36.0, 2, busy)
+    slow = _flagged(job, 45.0)
     assert [s.rank for s in slow] == [2], slow
     text = slow[0].sentence()
     assert "rank 2 spends" in text, text

@@ -16,6 +16,7 @@ import json
 import linecache
 import os
 import pickle
+import random
 import sys
 import sysconfig
 import threading
@@ -31,15 +32,17 @@ SAMPLE_S = 0.2
 """How often a running rank looks at where its function is."""
 WRITE_EVERY = 5
 """Looks per record written (once a second)."""
-MAX_PLACES = 64
-"""Places counted per call; looks at further ones count as OTHER."""
-OTHER = "(other places)"
+MAX_PLACES = 256
+"""Places (and functions) counted apart per call; looks at further ones count as OTHER_*."""
+OTHER_PLACES, OTHER_FUNCTIONS = "(other places)", "(other functions)"
 COLLECTIVE, BACKWARD, DATA, COMPUTE = "collective", "backward", "data loading", "compute"
 """A look's phase: in a torch.distributed collective, in autograd's backward (DDP's
 all-reduce waits there too), in a DataLoader, or anything else."""
 _C10D = "torch/distributed/distributed_c10d.py"
 RECORDER_AFTER_S = 2.0
 """How long a stack stays the same before the rank reads torch's flight recorder."""
+RECORDER_EVERY_S = 5.0
+"""While it stays the same, how often the recorder is read again."""
 _LIBRARY = tuple(
     {
         str(Path(p).resolve())
@@ -133,12 +136,13 @@ class Where:
     """How long ago the rank last looked (None: it never has); a rank that cannot run
     Python stops looking."""
     cpu: float = 0.0
-    """The share of a core the function's thread used between its last two looks: a
-    rank at one place that computes (a tight loop, a long kernel) shows here, a rank
-    that waits does not."""
+    """The share of a core the function's thread used between its last two records
+    (about a second): a rank at one place that computes (a tight loop, a long kernel)
+    shows here, a rank that waits does not."""
     collective: str = ""
     """The last collective in torch's flight recorder, once the stack stayed the same
-    RECORDER_AFTER_S: 'gloo:all_reduce #42, not done'."""
+    RECORDER_AFTER_S (read again every RECORDER_EVERY_S: one that moved on is
+    progress): 'gloo:all_reduce #42, not done'."""
     samples: int = 0
     """Looks during this call."""
     places: dict[str, int] | None = None
@@ -149,8 +153,10 @@ class Where:
     phases: dict[str, tuple[int, float]] | None = None
     """Per phase: looks, and the process's CPU (cores) summed over those looks."""
     process_cpu: float = 0.0
-    """Cores the whole process used over the last second (every thread: torch's too)."""
+    """Cores the whole process used between its last two looks (every thread: torch's too)."""
     rss_mb: float = 0.0
+    sampler_s: float = 0.0
+    """CPU seconds the rank's own looking has cost its process, in all."""
     gpu_mb: float | None = None
     """torch's CUDA memory allocated, where the rank has initialized CUDA."""
 
@@ -179,6 +185,10 @@ class Sampler:
         self._last_process = (0.0, 0.0)
         self._process_cpu = 0.0
         self._looks = 0
+        self._sampler_s = 0.0
+        self._generation = 0
+        self._broken = False
+        self._recorded = ("", 0.0)
         self._places: dict[str, int] = {}
         self._functions: dict[str, int] = {}
         self._phases: dict[str, list[float]] = {}
@@ -187,106 +197,151 @@ class Sampler:
         """The calling thread runs a call's function from now on: watch it.
 
         Said at once, not by the sampler: a function that takes the GIL for good at its
-        first line would leave the last call's end as this rank's word.
+        first line would leave the last call's end as this rank's word. Never raises: a
+        rank that cannot keep its record (an unsafe folder) is not watched, and says so.
         """
+        if self._broken or not self._started():
+            return
         now = time.time()
-        self._key, self._since, self._frames, self._collective = None, now, [], ""
-        self._place, self._phase = str(UNSEEN), COMPUTE
-        self._tid, self._cpu = threading.get_native_id(), 0.0
-        self._last_cpu = (now, _thread_cpu_s(self._tid))
-        self._last_process, self._process_cpu = (now, time.process_time()), 0.0
-        self._looks, self._places, self._functions, self._phases = 0, {}, {}, {}
-        self._ident = threading.get_ident()
-        if self._thread is None:
-            folder = _folder()
-            _remove_dead(folder)
-            self._fd = private.create(folder / str(os.getpid()))
-            self._thread = threading.Thread(target=self._loop, name="where", daemon=True)
-            self._thread.start()
-        self._write(now, running=True)
+        with self._writing:
+            self._generation += 1
+            self._key, self._since, self._frames, self._collective = None, now, [], ""
+            self._recorded = ("", 0.0)
+            self._place, self._function, self._phase = str(UNSEEN), "", COMPUTE
+            self._tid, self._cpu = threading.get_native_id(), 0.0
+            self._last_cpu = (now, _thread_cpu_s(self._tid))
+            self._last_process, self._process_cpu = (now, time.process_time()), 0.0
+            self._looks, self._places, self._functions, self._phases = 0, {}, {}, {}
+            self._ident = threading.get_ident()
+            self._write(now, running=True)
         self._wake.set()
 
     def end(self) -> None:
         """The function returned: say so, and stop looking until the next call."""
-        self._ident = None
-        self._wake.clear()
-        self._write(time.time(), running=False)
+        if self._thread is None:
+            return
+        with self._writing:
+            self._generation += 1
+            self._ident = None
+            self._wake.clear()
+            self._write(time.time(), running=False)
+
+    def _started(self) -> bool:
+        """The record's file and the looking thread, made on the first call."""
+        if self._thread is not None:
+            return True
+        try:
+            folder = _folder()
+            _remove_dead(folder)
+            self._fd = private.create(folder / str(os.getpid()))
+            thread = threading.Thread(target=self._loop, name="where", daemon=True)
+            thread.start()
+        except (OSError, RuntimeError) as exc:
+            self._broken = True
+            print(
+                f"[orchestrator] this rank cannot say where it is (stall_after): {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        self._thread = thread
+        return True
 
     def _loop(self) -> None:
         while True:
             self._wake.wait()
-            ident = self._ident
-            if ident is not None:
-                with contextlib.suppress(Exception):  # a record missed is the next one's
-                    self._sample(ident)
-            time.sleep(SAMPLE_S)
+            # Jittered: looks at a fixed period could keep meeting one part of a periodic step.
+            time.sleep(SAMPLE_S * random.uniform(0.5, 1.5))  # noqa: S311 - not for secrets
+            began = time.thread_time()
+            with contextlib.suppress(Exception):  # a record missed is the next one's
+                self._sample()
+            self._sampler_s += time.thread_time() - began
 
-    def _sample(self, ident: int) -> None:
-        now = time.time()
-        frame = sys._current_frames().get(ident)
-        stack = after_entry(frames_of(frame), "run") or []
-        key = tuple((f.f_code, f.f_lineno) for f in stack)
-        del frame
-        if key != self._key:
-            self._key, self._since, self._collective = key, now, ""
-            self._frames = [
-                _frame(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f in stack
-            ]
-            where = place_of(self._frames)
-            self._place, self._phase = str(where), phase_of(self._frames)
-            self._function = f"in {where.function} at {os.path.basename(where.file)}"
-        del stack
+    def _sample(self) -> None:
+        """One look, counted and (every WRITE_EVERY) written, unless the call it began in
+        has ended meanwhile (`begin` and `end` hold the same lock)."""
+        with self._writing:
+            ident = self._ident
+            if ident is None:
+                return
+            now = time.time()
+            frame = sys._current_frames().get(ident)
+            stack = after_entry(frames_of(frame), "run") or []
+            key = tuple((f.f_code, f.f_lineno) for f in stack)
+            del frame
+            if key != self._key:
+                self._key, self._since, self._collective = key, now, ""
+                self._frames = [
+                    _frame(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f in stack
+                ]
+                where = place_of(self._frames)
+                self._place, self._phase = str(where), phase_of(self._frames)
+                self._function = f"in {where.function} at {os.path.basename(where.file)}"
+            del stack
+            self._count(now)
+            if self._looks % WRITE_EVERY:
+                return
+            used = _thread_cpu_s(self._tid)
+            was, self._last_cpu = self._last_cpu, (now, used)
+            self._cpu = max(0.0, used - was[1]) / max(now - was[0], 1e-3)
+            self._recorder(now)
+            self._write(now, running=True)
+
+    def _count(self, now: float) -> None:
         process = time.process_time()
         was_at, was_used = self._last_process
         rate = max(0.0, process - was_used) / max(now - was_at, 1e-3)
-        self._last_process = (now, process)
+        self._last_process, self._process_cpu = (now, process), rate
         self._looks += 1
-        place = self._place
-        if place not in self._places and len(self._places) >= MAX_PLACES:
-            place = OTHER
-        self._places[place] = self._places.get(place, 0) + 1
-        function = self._function
-        if function not in self._functions and len(self._functions) >= MAX_PLACES:
-            function = OTHER
-        self._functions[function] = self._functions.get(function, 0) + 1
+        for counts, seen, other in (
+            (self._places, self._place, OTHER_PLACES),
+            (self._functions, self._function, OTHER_FUNCTIONS),
+        ):
+            key = seen if seen in counts or len(counts) < MAX_PLACES else other
+            counts[key] = counts.get(key, 0) + 1
         phase = self._phases.setdefault(self._phase, [0, 0.0])
         phase[0] += 1
         phase[1] += rate
-        if self._looks % WRITE_EVERY:
+
+    def _recorder(self, now: float) -> None:
+        """While the stack stays the same, read torch's flight recorder now and then: a
+        collective that moved on is progress (a GPU loop that waits on one line for its
+        kernels, its collectives going by), one that did not is named in the report."""
+        last, read_at = self._recorded
+        if now - self._since < RECORDER_AFTER_S or now - read_at < RECORDER_EVERY_S:
             return
-        used = _thread_cpu_s(self._tid)
-        was, self._last_cpu = self._last_cpu, (now, used)
-        self._cpu = max(0.0, used - was[1]) / max(now - was[0], 1e-3)
-        self._process_cpu = rate
-        if not self._collective and now - self._since >= RECORDER_AFTER_S:
-            self._collective = last_collective() or " "  # read once per stuck stack
-        if self._ident == ident:  # not ended meanwhile
-            self._write(now, running=True)
+        seen = last_collective()
+        self._recorded = (seen, now)
+        if seen and last and seen != last:
+            self._since = now
+        self._collective = seen
 
     def _write(self, now: float, *, running: bool) -> None:
         """One write in place (padded to the longest yet), not a new file per look: a
-        call writes twice, and a write must cost it next to nothing."""
+        call writes twice, and a write must cost it next to nothing. Under `_writing`."""
+        if self._fd is None:
+            return
         record = {
             "sampled": now,
             "since": self._since,
             "running": running,
             "cpu": round(self._cpu, 2),
-            "frames": [
-                [f.file, f.line, f.function, f.code, f.library] for f in self._frames
-            ] if running else [],
-            "collective": self._collective.strip(),
+            "collective": self._collective,
             "samples": self._looks,
-            "places": self._places,
-            "functions": self._functions,
-            "phases": self._phases,
-            "process_cpu": round(self._process_cpu, 2),
-            "rss_mb": round(_rss_mb(), 1),
-            "gpu_mb": _gpu_mb(),
+            "sampler_s": round(self._sampler_s, 4),
         }
+        if running:  # what a look found; an ended call's record says only that it ended
+            record.update(
+                frames=[[f.file, f.line, f.function, f.code, f.library] for f in self._frames],
+                places=self._places,
+                functions=self._functions,
+                phases=self._phases,
+                process_cpu=round(self._process_cpu, 2),
+                rss_mb=round(_rss_mb(), 1),
+                gpu_mb=_gpu_mb(),
+            )
         data = json.dumps(record).encode()
-        with self._writing, contextlib.suppress(OSError):
-            if self._fd is None:
-                return
+        with contextlib.suppress(OSError):
             self._written = max(self._written, len(data))
             os.pwrite(self._fd, data.ljust(self._written), 0)
 
@@ -298,11 +353,12 @@ def read(pids: dict[int, int]) -> list[Where]:
     found = []
     for rank, pid in sorted(pids.items()):
         record = _record(folder / str(pid))
-        if record is None:
-            found.append(Where(rank, (), running=True, still_s=0.0, age_s=None))
+        if record is None:  # its first call has not begun its function yet
+            found.append(Where(rank, (), running=False, still_s=0.0, age_s=None))
             continue
         frames = tuple(
-            Frame(str(f[0]), int(f[1]), str(f[2]), str(f[3]), bool(f[4])) for f in record["frames"]
+            Frame(str(f[0]), int(f[1]), str(f[2]), str(f[3]), bool(f[4]))
+            for f in record.get("frames", [])
         )
         found.append(
             Where(
@@ -321,6 +377,7 @@ def read(pids: dict[int, int]) -> list[Where]:
                 },
                 process_cpu=float(record.get("process_cpu", 0.0)),
                 rss_mb=float(record.get("rss_mb", 0.0)),
+                sampler_s=float(record.get("sampler_s", 0.0)),
                 gpu_mb=None if record.get("gpu_mb") is None else float(record["gpu_mb"]),
             )
         )
@@ -429,7 +486,7 @@ def _folder() -> Path:
 def _remove_dead(folder: Path) -> None:
     """Remove the records of rank processes that are gone (a killed actor leaves its own)."""
     for path in folder.iterdir():
-        pid = path.name.removesuffix(".part")
+        pid = path.name
         if not pid.isdigit():
             continue
         try:

@@ -96,7 +96,7 @@ class CallSpec:
     """The call's key; a rank's node-wide copy of the large buffers adds its node's id."""
     uses_torch: bool
     watched: bool = True
-    """Whether the rank looks where its function is, once a second (stall_after)."""
+    """Whether the rank looks where its function is, five times a second (stall_after)."""
 
 
 @dataclass(frozen=True)
