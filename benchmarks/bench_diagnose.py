@@ -218,7 +218,7 @@ def _looking(call: Any) -> dict[int, tuple[float, float]]:
     watch = call.watch if call is not None else None
     if watch is None:
         return {}
-    return {rank: (w.sampler_s, at) for rank, (w, at) in watch.where.items()}
+    return {rank: (w.sampler_s, at) for rank, (w, at) in list(watch.where.items())}
 
 
 def overhead(fn: Any, runs: int, steps: float) -> dict[str, Any]:
