@@ -205,7 +205,7 @@ def run_slow(fn: Any, case: str, size: int) -> dict[str, Any]:
         slow = call.slow if call is not None else []
         if slow and named_s is None:
             named_s = time.monotonic() - started
-            first = slow[0].sentence()
+            first = "; ".join(s.sentence() for s in slow)
             word = "_busy" if case.endswith("busy") else "time.sleep(extra)"
             right = [s.rank for s in slow] == [rank] and word in first and "backward" in first
         time.sleep(0.25)
@@ -301,6 +301,7 @@ def measure(size: int, repeats: int, runs: int, steps: float, tmp: str) -> dict[
             print(f"[bench] {size} ranks, {c['case']}: named after {named}, "
                   f"first report right: {c['first_right']} {c.get('first', '')}", flush=True)
         costs = overhead(fn, runs, steps)
+        print(f"[bench] {size} ranks, detector on/off: {costs}", flush=True)
     finally:
         fn.shutdown()
         ray.shutdown()

@@ -31,8 +31,11 @@ if TYPE_CHECKING:
 STALL_AFTER_S = 60.0
 """Default: seconds without progress before a call's report names who is where."""
 ANSWER_S = 10.0
-"""A rank that has not looked at its stack for this long (or a node's reader that has
-not answered) does not answer: a C call holding the GIL, a stopped process."""
+"""A rank that has not looked at its stack for this long does not answer: a C call
+holding the GIL, a stopped process."""
+READER_S = 5.0
+"""A node's reader that has not answered in this long is passed over: the node is read
+through another of its ranks (a reading takes milliseconds)."""
 BUSY = 0.5
 """A rank using this share of a core at one place is said to be on CPU (it computes)."""
 
@@ -267,10 +270,11 @@ class Watch:
                     continue
                 self.readings += 1
                 for entry in readings:
-                    self.where[entry.rank] = (entry, now)
-                    self.shares.add(entry, now)
+                    if self._newer(entry, now):
+                        self.where[entry.rank] = (entry, now)
+                        self.shares.add(entry, now)
             for _, rank, sent in self.pending.values():
-                if now - sent >= ANSWER_S:
+                if now - sent >= min(READER_S, ANSWER_S):
                     self.mute.add(rank)
         if now < self.next_read:
             return self.next_read
@@ -285,6 +289,14 @@ class Watch:
                 pids = {r: self.pool.infos[r].pid for r in ranks}
                 self.pending[self.pool.actors[reader].where.remote(pids)] = (node, reader, now)
         return self.next_read
+
+    def _newer(self, entry: Where, now: float) -> bool:
+        """Whether `entry` was looked at after the rank's reading kept now: two readers of
+        one node (one passed over, then answering late) may bring them out of order."""
+        kept = self.where.get(entry.rank)
+        if kept is None or entry.age_s is None or kept[0].age_s is None:
+            return True
+        return now - entry.age_s >= kept[1] - kept[0].age_s
 
     def report(
         self,

@@ -96,6 +96,8 @@ class Shares:
             return
         counts = {**(where.places or {}), **(where.functions or {})}
         history = self._history.setdefault(where.rank, deque())
+        if history and history[-1][1][0] > where.samples:
+            return  # an older look than the last one kept
         history.append((now, (where.samples, counts, dict(where.phases or {}))))
         # Keep the newest reading older than the window: the window's start.
         while len(history) > 2 and history[1][0] <= now - WINDOW_S:
@@ -137,7 +139,7 @@ class Shares:
 
             def margin(p: str, looks: int = looks, share: dict[str, float] = share) -> float:
                 """How far its share at `p` is above the usual one, less what chance gives."""
-                q = max(share.get(p, 0.0), usual[p])
+                q = min(1.0, max(share.get(p, 0.0), usual[p]))
                 return share.get(p, 0.0) - usual[p] - max(EXCESS, Z * (q * (1 - q) / looks) ** 0.5)
 
             place = max(everywhere, key=margin)

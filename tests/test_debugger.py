@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from orchestrator import JobTimeoutError, distribute
+from orchestrator import JobTimeoutError, StallError, distribute
 from orchestrator.cli import main
 from tests.conftest import wait_resources_back
 
@@ -171,13 +171,22 @@ def test_a_rank_waiting_for_a_debugger_is_stopped_by_the_call_s_timeout(cluster,
             breakpoint()
         return 1
 
-    fn = distribute(stop_on_rank_0, num_replicas=2, replicas_per_node=1, timeout=8)
+    # A rank at a breakpoint makes no "no progress" report, even one that would raise.
+    fn = distribute(
+        stop_on_rank_0,
+        num_replicas=2,
+        replicas_per_node=1,
+        timeout=8,
+        stall_after=2,
+        on_stall="raise",
+    )
     job = fn.submit()
     _, host, port = _attach_line(capfd)
     _rank_state(job, 0, "waiting for a debugger")
     _intrude(host, port)
     with pytest.raises(JobTimeoutError) as info:
         job.result(timeout=60)
+    assert not isinstance(info.value, StallError), info.value
     assert "_accept_with" in info.value.stacks[0]  # where it was: waiting for the secret
     fn.shutdown()
     wait_resources_back()
