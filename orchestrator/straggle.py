@@ -38,6 +38,9 @@ rank 30% slower per step spends 23% of its time where its peers spend none)."""
 Z = 4.0
 """And at least this many standard deviations of its share over its looks (a share of
 0.5 over 150 looks: 16 points), so that chance over many places and ranks names nobody."""
+RATIO = 2.0
+"""And at least this many times its peers' share there: a rank that waits a little more
+than its peers where they all wait (in backward, for the slow one) is not slow itself."""
 CONFIRM_S = 5.0
 """How long a rank must keep being found slow before it is said to be."""
 STALE_S = 20.0
@@ -143,8 +146,8 @@ class Shares:
                 return share.get(p, 0.0) - usual[p] - max(EXCESS, Z * (q * (1 - q) / looks) ** 0.5)
 
             place = max(everywhere, key=margin)
-            if margin(place) < 0:
-                continue
+            if margin(place) < 0 or share.get(place, 0.0) < RATIO * usual[place]:
+                continue  # by chance, or where its peers spend most of their time too
             waits, gap = max(  # a line, not a whole function
                 ((p, usual[p] - share.get(p, 0.0)) for p in everywhere if _LINE.search(p)),
                 key=lambda x: x[1],

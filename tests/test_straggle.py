@@ -59,6 +59,10 @@ def test_a_balanced_job_and_too_few_looks_name_nobody():
         for r in range(8)
     }
     assert _slow(noisy) == []
+    # A peer that waits a little longer where every rank waits is not slow itself.
+    waits = {r: [_where(r, 0, {}), _where(r, 150, usual)] for r in range(8)}
+    waits[4] = [_where(4, 0, {}), _where(4, 150, {FORWARD: 0.2, BACK: 0.74, LOADER: 0.06})]
+    assert _slow(waits) == []
     few = {r: [_where(r, 0, {}), _where(r, MIN_LOOKS - 1, usual)] for r in range(8)}
     few[5] = [_where(5, 0, {}), _where(5, MIN_LOOKS - 1, {LOADER: 1.0})]
     assert _slow(few) == []

@@ -30,6 +30,8 @@ from orchestrator_workers.stacks import after_entry, frames_of
 
 SAMPLE_S = 0.2
 """How often a running rank looks at where its function is."""
+IDLE_S = 0.5
+"""Between calls, how often the looking thread sees whether a call began."""
 WRITE_EVERY = 5
 """Looks per record written (once a second)."""
 MAX_PLACES = 256
@@ -167,7 +169,6 @@ class Sampler:
     def __init__(self) -> None:
         """Nothing sampled until `begin`; the thread starts with the first call."""
         self._ident: int | None = None
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._fd: int | None = None
         self._written = 0
@@ -186,7 +187,6 @@ class Sampler:
         self._process_cpu = 0.0
         self._looks = 0
         self._sampler_s = 0.0
-        self._generation = 0
         self._broken = False
         self._recorded = ("", 0.0)
         self._places: dict[str, int] = {}
@@ -204,7 +204,6 @@ class Sampler:
             return
         now = time.time()
         with self._writing:
-            self._generation += 1
             self._key, self._since, self._frames, self._collective = None, now, [], ""
             self._recorded = ("", 0.0)
             self._place, self._function, self._phase = str(UNSEEN), "", COMPUTE
@@ -214,16 +213,13 @@ class Sampler:
             self._looks, self._places, self._functions, self._phases = 0, {}, {}, {}
             self._ident = threading.get_ident()
             self._write(now, running=True)
-        self._wake.set()
 
     def end(self) -> None:
         """The function returned: say so, and stop looking until the next call."""
         if self._thread is None:
             return
         with self._writing:
-            self._generation += 1
             self._ident = None
-            self._wake.clear()
             self._write(time.time(), running=False)
 
     def _started(self) -> bool:
@@ -248,8 +244,12 @@ class Sampler:
         return True
 
     def _loop(self) -> None:
+        """Look while a call runs; between calls, only see whether one began (a call's
+        start wakes nobody: waking a thread costs a busy node milliseconds)."""
         while True:
-            self._wake.wait()
+            if self._ident is None:
+                time.sleep(IDLE_S)
+                continue
             # Jittered: looks at a fixed period could keep meeting one part of a periodic step.
             time.sleep(SAMPLE_S * random.uniform(0.5, 1.5))  # noqa: S311 - not for secrets
             began = time.thread_time()
