@@ -238,13 +238,16 @@ class Call:
         return min(due, self._judged + _JUDGE_S) if watch.where else due
 
     def use(self, rank: int) -> str:
-        """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB'."""
+        """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB 87%'."""
         found = self.watch.where.get(rank) if self.watch is not None else None
         if found is None or not found[0].running:
             return ""
         where = found[0]
         text = f"{where.process_cpu:.1f} cores, {where.rss_mb / 1024:.1f} GB"
-        return text + (f", GPU {where.gpu_mb / 1024:.1f} GB" if where.gpu_mb is not None else "")
+        if where.gpu_mb is not None:
+            text += f", GPU {where.gpu_mb / 1024:.1f} GB"
+            text += f" {where.gpu_busy}% busy" if where.gpu_busy is not None else ""
+        return text
 
     def _notice(self) -> Notice | None:
         """What the status line must say now: ranks without progress, or slow ones."""

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
+from typing import Any
 
 import ray
+from ray.exceptions import RayError
 
-from orchestrator import cluster, local, messages, probe, tokens
+from orchestrator import cluster, local, messages, probe, stall, tokens
 from orchestrator.channel import rank_stacks
 from orchestrator.discovery import cluster_address
 from orchestrator.errors import LaunchError
@@ -102,18 +106,36 @@ def stacks(name: str, address: str | None, wait_s: float = 10.0) -> int:
     for (job, pool_id), ranks in sorted(chosen.items()):
         if len(chosen) > 1:
             print(f"=== {job}-{pool_id} ===")
-        for same, text in group_stacks(_rank_stacks(ranks, wait_s)):
+        actors, texts = {}, {}
+        for rank, actor_name in sorted(ranks.items()):
+            try:
+                actors[rank] = ray.get_actor(actor_name, namespace=ACTOR_NAMESPACE)
+            except ValueError:
+                texts[rank] = "(the rank's actor is gone)"
+        places = _places(job, actors, wait_s)
+        if places:
+            print(f"{places}\n", flush=True)
+        texts.update(rank_stacks(actors, wait_s))
+        for same, text in group_stacks(dict(sorted(texts.items()))):
             print(f"--- {stacks_title(same)} ---\n{text}\n", flush=True)
     return 0
 
 
-def _rank_stacks(actor_names: dict[int, str], wait_s: float) -> dict[int, str]:
-    """Each rank's stacks, by rank; a rank that cannot answer says why instead."""
-    texts: dict[int, str] = {}
-    actors = {}
-    for rank, actor_name in sorted(actor_names.items()):
+def _places(job: str, actors: dict[int, Any], wait_s: float) -> str:
+    """Where each rank's function is, grouped by place, the odd ones out first, as a
+    call's report of ranks without progress groups them; '' when no call is running."""
+    refs = {actor.where.remote(): rank for rank, actor in actors.items()}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+    now = time.monotonic()
+    where = {}
+    for ref in done:
         try:
-            actors[rank] = ray.get_actor(actor_name, namespace=ACTOR_NAMESPACE)
-        except ValueError:
-            texts[rank] = "(the rank's actor is gone)"
-    return dict(sorted({**texts, **rank_stacks(actors, wait_s)}.items()))
+            where.update({entry.rank: (entry, now) for entry in ray.get(ref)})
+        except RayError:
+            continue  # its stacks below say why
+    running = [rank for rank, (entry, _) in where.items() if entry.running]
+    if not running:
+        return ""
+    never = [-math.inf] * (max(actors) + 1)  # the ranks' output is not watched from here
+    found = stall.report(job, now, where, running, never, after_s=0.0)
+    return found.places() if found is not None else ""

@@ -13,6 +13,7 @@ how long, facts only:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -72,9 +73,7 @@ class Group:
 
     def who(self) -> str:
         """'rank 5', '127 ranks (r0-4,6-127)'."""
-        if len(self.ranks) == 1:
-            return f"rank {self.ranks[0]}"
-        return f"{len(self.ranks)} ranks (r{rank_label(self.ranks)})"
+        return _who(self.ranks)
 
     def sentence(self) -> str:
         """'rank 5 is at loader.py:88 in __getitem__', '4 ranks (r0-3) wait in barrier at ...'."""
@@ -102,7 +101,7 @@ class StallReport:
     since_s: float
     """How long the ranks without progress have had none (the least among them)."""
     groups: tuple[Group, ...]
-    """The ranks without progress, fewest first; then those still moving."""
+    """The ranks without progress, fewest first; then those that moved lately."""
     returned: tuple[int, ...] = ()
     """Ranks whose function has returned while these run."""
     unread: tuple[int, ...] = ()
@@ -123,24 +122,22 @@ class StallReport:
         if moving:
             count = sum(len(g.ranks) for g in still)
             head = f"{count} rank{'s' if count > 1 else ''} without progress for "
-            text = f"{head}{clock(self.since_s)}: {text}; still moving: " + "; ".join(
-                g.sentence() for g in moving
-            )
+            lately = clock(math.ceil(max(1.0, *(g.since_s for g in moving))))
+            text = f"{head}{clock(self.since_s)}: {text}; moved within the last {lately}: "
+            text += "; ".join(g.sentence() for g in moving)
         else:
             text = f"no progress for {clock(self.since_s)}: {text}"
         collectives = {g.place.calls for g in self.groups if g.place.collective and g.answers}
         if len(collectives) > 1:
             text += "; the ranks are in different collectives"
         if self.returned:
-            who = Group(self.returned, UNSEEN, False, True, 0.0, "").who()
-            text += f"; {who} {'has' if len(self.returned) == 1 else 'have'} returned"
+            verb = "has" if len(self.returned) == 1 else "have"
+            text += f"; {_who(self.returned)} {verb} returned"
         if self.outside:
-            who = Group(self.outside, UNSEEN, False, True, 0.0, "").who()
             verb = "is" if len(self.outside) == 1 else "are"
-            text += f"; {who} {verb} not in the function (starting it, or returning)"
+            text += f"; {_who(self.outside)} {verb} not in the function (starting it, or returning)"
         if self.unread:
-            who = Group(self.unread, UNSEEN, False, True, 0.0, "").who()
-            text += f"; {who} not read lately"
+            text += f"; {_who(self.unread)} not read lately"
         elif (
             not self.returned
             and not self.outside
@@ -153,6 +150,17 @@ class StallReport:
                 "job's ranks (the network, or a process outside the job)"
             )
         return f"[{self.name}] {text}"
+
+    def places(self) -> str:
+        """Who is where now, odd ones first, without judging progress ('orchestrator stacks')."""
+        parts = []
+        for g in self.groups:
+            text = g.sentence()
+            parts.append(text if not g.answers else f"{text}, for {clock(g.since_s)}")
+        if self.outside:
+            verb = "is" if len(self.outside) == 1 else "are"
+            parts.append(f"{_who(self.outside)} {verb} not in the function")
+        return f"[{self.name}] where the functions are: " + "; ".join(parts)
 
     def __str__(self) -> str:
         """The line, then each group's first rank's stack."""
@@ -318,6 +326,13 @@ class Watch:
             returned=returned,
             mute=self.mute,
         )
+
+
+def _who(ranks: Sequence[int]) -> str:
+    """'rank 5', '127 ranks (r0-4,6-127)'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"{len(ranks)} ranks (r{rank_label(ranks)})"
 
 
 def _stack(where: Where | None, answers: bool) -> str:

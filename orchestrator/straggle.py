@@ -24,7 +24,13 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from orchestrator_workers.progress import BACKWARD, OTHER_FUNCTIONS, OTHER_PLACES, Where
+from orchestrator_workers.progress import (
+    BACKWARD,
+    OTHER_FUNCTIONS,
+    OTHER_PLACES,
+    Where,
+    in_collective,
+)
 
 WINDOW_S = 30.0
 """The span of the latest looks the shares are taken over."""
@@ -135,6 +141,7 @@ class Shares:
             OTHER_PLACES,
             OTHER_FUNCTIONS,
         }
+        collectives = {p for p in everywhere if in_collective(p)}
         usual = {p: statistics.median(s.get(p, 0.0) for s in shares.values()) for p in everywhere}
         found = []
         for rank, share in shares.items():
@@ -145,7 +152,10 @@ class Shares:
                 q = min(1.0, max(share.get(p, 0.0), usual[p]))
                 return share.get(p, 0.0) - usual[p] - max(EXCESS, Z * (q * (1 - q) / looks) ** 0.5)
 
-            place = max(everywhere, key=margin)
+            # More time in a collective is waiting for someone else: never a rank's own.
+            place = max(everywhere - collectives, key=margin, default="")
+            if not place:
+                continue
             if margin(place) < 0 or share.get(place, 0.0) < RATIO * usual[place]:
                 continue  # by chance, or where its peers spend most of their time too
             waits, gap = max(  # a line, not a whole function

@@ -233,6 +233,10 @@ def test_a_killed_script_frees_its_spares_and_cpus(runtime: Runtime) -> None:
     assert stacks.returncode == 0, stacks.stderr
     same = "--- ranks 0-1 (2 ranks, the same stacks) ---"  # shown once
     assert same in stacks.stdout and "time.sleep(120)" in stacks.stdout, stacks.stdout
+    # First, where the functions are, grouped by place as a call's stall report has them.
+    places = stacks.stdout.splitlines()[0]
+    assert places.startswith("[job] where the functions are: 2 ranks (r0-1) are at "), places
+    assert "(`time.sleep(120)`), for 0:" in places, places
     proc.kill()
     proc.communicate()
     deadline = time.monotonic() + 20

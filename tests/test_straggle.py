@@ -63,6 +63,12 @@ def test_a_balanced_job_and_too_few_looks_name_nobody():
     waits = {r: [_where(r, 0, {}), _where(r, 150, usual)] for r in range(8)}
     waits[4] = [_where(4, 0, {}), _where(4, 150, {FORWARD: 0.2, BACK: 0.74, LOADER: 0.06})]
     assert _slow(waits) == []
+    # Nor is one that waits far longer in a collective: it waits for someone else.
+    stop = "in all_reduce at train.py:64"
+    usual_stop = {FORWARD: 0.4, BACK: 0.46, stop: 0.14}
+    waits = {r: [_where(r, 0, {}), _where(r, 150, usual_stop)] for r in range(8)}
+    waits[1] = [_where(1, 0, {}), _where(1, 150, {FORWARD: 0.2, BACK: 0.42, stop: 0.38})]
+    assert _slow(waits) == []
     few = {r: [_where(r, 0, {}), _where(r, MIN_LOOKS - 1, usual)] for r in range(8)}
     few[5] = [_where(5, 0, {}), _where(5, MIN_LOOKS - 1, {LOADER: 1.0})]
     assert _slow(few) == []

@@ -122,9 +122,10 @@ class RankActor:
         return stacks.current_stacks()
 
     @ray.method(concurrency_group="control")
-    def where(self, pids: dict[int, int]) -> list[progress.Where]:
-        """Where each rank of this node (rank -> pid) was when it last looked (see progress)."""
-        return progress.read(pids)
+    def where(self, pids: dict[int, int] | None = None) -> list[progress.Where]:
+        """Where each rank of this node (rank -> pid; default: this rank) was when it last
+        looked (see progress)."""
+        return progress.read(pids if pids is not None else {self._rank: os.getpid()})
 
     def open_store(self) -> int:
         """Reserve the next call's rendezvous port (nothing listens there until the call

@@ -17,6 +17,7 @@ import linecache
 import os
 import pickle
 import random
+import re
 import sys
 import sysconfig
 import threading
@@ -91,6 +92,15 @@ class Place:
         return f"at {at} in {self.function}{code}"
 
 
+_IN_COLLECTIVE = re.compile(r"in \w+ at .+:\d+")
+"""A collective's place as `Place.__str__` writes it: a library call's name has a dot."""
+
+
+def in_collective(place: str) -> bool:
+    """Whether `place` (a `Place` as text, as the counts have it) is in a collective."""
+    return _IN_COLLECTIVE.fullmatch(place) is not None
+
+
 UNSEEN = Place("?", 0, "?")
 """The place of a rank whose function thread shows no Python frame."""
 
@@ -161,6 +171,8 @@ class Where:
     """CPU seconds the rank's own looking has cost its process, in all."""
     gpu_mb: float | None = None
     """torch's CUDA memory allocated, where the rank has initialized CUDA."""
+    gpu_busy: int | None = None
+    """Percent of NVML's last sample period its GPU ran a kernel, where NVML is at hand."""
 
 
 class Sampler:
@@ -258,8 +270,8 @@ class Sampler:
             self._sampler_s += time.thread_time() - began
 
     def _sample(self) -> None:
-        """One look, counted and (every WRITE_EVERY) written, unless the call it began in
-        has ended meanwhile (`begin` and `end` hold the same lock)."""
+        """One look, counted and (the first, then every WRITE_EVERY) written, unless the
+        call it began in has ended meanwhile (`begin` and `end` hold the same lock)."""
         with self._writing:
             ident = self._ident
             if ident is None:
@@ -279,8 +291,8 @@ class Sampler:
                 self._function = f"in {where.function} at {os.path.basename(where.file)}"
             del stack
             self._count(now)
-            if self._looks % WRITE_EVERY:
-                return
+            if self._looks % WRITE_EVERY and self._looks > 1:
+                return  # the first look is written at once: a rank stuck from its start
             used = _thread_cpu_s(self._tid)
             was, self._last_cpu = self._last_cpu, (now, used)
             self._cpu = max(0.0, used - was[1]) / max(now - was[0], 1e-3)
@@ -339,6 +351,7 @@ class Sampler:
                 process_cpu=round(self._process_cpu, 2),
                 rss_mb=round(_rss_mb(), 1),
                 gpu_mb=_gpu_mb(),
+                gpu_busy=_gpu_busy(),
             )
         data = json.dumps(record).encode()
         with contextlib.suppress(OSError):
@@ -379,6 +392,7 @@ def read(pids: dict[int, int]) -> list[Where]:
                 rss_mb=float(record.get("rss_mb", 0.0)),
                 sampler_s=float(record.get("sampler_s", 0.0)),
                 gpu_mb=None if record.get("gpu_mb") is None else float(record["gpu_mb"]),
+                gpu_busy=None if record.get("gpu_busy") is None else int(record["gpu_busy"]),
             )
         )
     return found
@@ -444,6 +458,45 @@ def _gpu_mb() -> float | None:
             return None
         return round(torch.cuda.memory_allocated() / 2**20, 1)
     except Exception:  # noqa: BLE001 - no CUDA build, or a driver problem: not shown
+        return None
+
+
+_nvml: dict[str, Any] = {}
+"""NVML, once loaded: the module, and a handle per device (empty: not tried yet)."""
+
+
+def _gpu_busy() -> int | None:
+    """How busy this rank's GPU was over NVML's last sample period (percent), where CUDA
+    is initialized and NVML can be loaded (nvidia-ml-py, else the copy Ray ships); a
+    device NVML cannot read (a MIG slice) says nothing, once and for all."""
+    torch = sys.modules.get("torch")
+    if torch is None or _nvml.get("broken"):
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        if not _nvml:
+            try:
+                import pynvml  # nvidia-ml-py, where the user has it
+            except ImportError:
+                from ray._private.thirdparty import pynvml
+            pynvml.nvmlInit()
+            _nvml["module"] = pynvml
+        nvml = _nvml["module"]
+        device = torch.cuda.current_device()
+        handle = _nvml.get(f"handle{device}")
+        if handle is None:
+            visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+            named = visible[device] if device < len(visible) and visible[device] else str(device)
+            handle = (
+                nvml.nvmlDeviceGetHandleByIndex(int(named))
+                if named.isdigit()
+                else nvml.nvmlDeviceGetHandleByUUID(named)
+            )
+            _nvml[f"handle{device}"] = handle
+        return int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # noqa: BLE001 - no NVML, no driver, a MIG slice: not shown
+        _nvml["broken"] = True
         return None
 
 
