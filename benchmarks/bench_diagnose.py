@@ -16,9 +16,11 @@ back by one rank in each way below, for a while, then goes on (the pool stays wa
   same at each look, its CPU tells it apart.
 
 And a small gloo DDP loop (40 s) in which one rank adds 30% to each step, as a sleep and
-as busy torch work (`ddp-sleep`, `ddp-busy`): when the slow rank was named (from the
-call's start: its counts need 15 s), and whether the report named that rank, its line
-and its peers' wait in backward.
+as busy torch work (`ddp-sleep`, `ddp-busy`): when the slow rank was named, counted from
+its first slow step (its counts need 15 s of looks; the call's setup before the loop,
+`init_process_group` and DDP's first import on 2 shared cores, can take longer than
+that, and is shown apart), and whether the report named that rank, its line and its
+peers' wait in backward.
 
 Each case reports when the job's report first named that rank (as the odd one out, or
 as the one still moving for `busy`), counted from the moment the rank began to hold the
@@ -67,7 +69,7 @@ def job(case: str, held_rank: int = -1, held: float = 0.0, marks: str = "", step
     t = torch.ones(1)
     dist.all_reduce(t)
     if case.startswith("ddp"):  # ddp, ddp-sleep, ddp-busy: held_rank 30% slower
-        return _ddp(dist, rank, held_rank, case.removeprefix("ddp-"), steps)
+        return _ddp(dist, rank, held_rank, case.removeprefix("ddp-"), steps, marks=marks)
     if rank == held_rank:
         Path(marks, case).write_text(str(time.time()))
         if case == "sleep":
@@ -89,9 +91,10 @@ def job(case: str, held_rank: int = -1, held: float = 0.0, marks: str = "", step
     return rank
 
 
-def _ddp(dist: Any, rank: int, slow_rank: int, how: str, seconds: float) -> float:
+def _ddp(dist: Any, rank: int, slow_rank: int, how: str, seconds: float, *, marks: str) -> float:
     """A small DDP loop for `seconds`; `slow_rank` adds 30% to each step (sleep or busy
-    torch work) after the step's last collective. Steps per second."""
+    torch work) after the step's last collective, and marks when it first did. Steps per
+    second."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -116,6 +119,8 @@ def _ddp(dist: Any, rank: int, slow_rank: int, how: str, seconds: float) -> floa
         if stop.item():
             break
         if rank == slow_rank:
+            if steps == 1 and marks:
+                Path(marks, f"ddp-{how}").write_text(str(time.time()))
             extra = 0.3 * (time.perf_counter() - began)
             if how == "busy":
                 _busy(extra)
@@ -194,23 +199,33 @@ def run_case(fn: Any, case: str, size: int, marks: Path) -> dict[str, Any]:
     }
 
 
-def run_slow(fn: Any, case: str, size: int) -> dict[str, Any]:
-    """One DDP loop with a slow rank: when it was named (from the call's start), and right."""
+def run_slow(fn: Any, case: str, size: int, marks: Path) -> dict[str, Any]:
+    """One DDP loop with a slow rank: when it was named (from its first slow step, and from
+    the call's start), and whether the report was right."""
     rank = size - 3
-    started = time.monotonic()
-    job_ = fn.submit(case, rank, 0.0, "", SLOW_RUN_S)
-    named_s, right, first = None, False, ""
+    mark = marks / case
+    mark.unlink(missing_ok=True)
+    started = time.time()
+    job_ = fn.submit(case, rank, 0.0, str(marks), SLOW_RUN_S)
+    named_at, right, first = None, False, ""
     while not job_.done():
         call = job_.call
         slow = call.slow if call is not None else []
-        if slow and named_s is None:
-            named_s = time.monotonic() - started
+        if slow and named_at is None:
+            named_at = time.time()
             first = "; ".join(s.sentence() for s in slow)
             word = "_busy" if case.endswith("busy") else "time.sleep(extra)"
             right = [s.rank for s in slow] == [rank] and word in first and "backward" in first
         time.sleep(0.25)
     job_.result()
-    return {"case": case, "named_s": named_s, "first_right": right, "first": first}
+    began = float(mark.read_text()) if mark.exists() else None
+    return {
+        "case": case,
+        "named_s": None if named_at is None or began is None else named_at - began,
+        "from_call_s": None if named_at is None else named_at - started,
+        "first_right": right,
+        "first": first,
+    }
 
 
 def _looking(call: Any) -> dict[int, tuple[float, float]]:
@@ -267,7 +282,67 @@ def overhead(fn: Any, runs: int, steps: float) -> dict[str, Any]:
     }
 
 
-def measure(size: int, repeats: int, runs: int, steps: float, tmp: str) -> dict[str, Any]:
+def idle(seconds: float) -> int:
+    """A long call that uses no torch (so ranks skip its preload: 128 of them fit here)."""
+    time.sleep(seconds)
+    return 0
+
+
+def watching(size: int, runs: int, seconds: float, tmp: str) -> dict[str, Any]:
+    """The driver's CPU over a long call of `size` idle ranks, watched (the default
+    stall_after) and not, in turns; and what a reading of every node costs it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator import distribute
+
+    os.environ["RAY_TMPDIR"] = tmp
+    args = {"num_cpus": PER_NODE, "object_store_memory": 96 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args=args)
+    for _ in range(size // PER_NODE - 1):
+        cluster.add_node(**args)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    on = distribute(
+        idle, num_replicas=size, replicas_per_node=PER_NODE, cpus_per_replica=1,
+        gpus_per_replica=0, log_dir=False, name="watch",
+    )  # fmt: skip
+    off = on.with_options(stall_after=None)
+    driver: dict[str, list[float]] = {"on": [], "off": []}
+    readings = []
+    try:
+        on(0.0)  # the pool starts
+        for _ in range(runs):
+            for mode, f in (("on", on), ("off", off)):
+                before_cpu, before_s = time.process_time(), time.monotonic()
+                job_ = f.submit(seconds)
+                while not job_.done():
+                    time.sleep(0.5)
+                if mode == "on":
+                    readings.append(job_.call.watch.readings)
+                job_.result()
+                took = time.monotonic() - before_s
+                driver[mode].append((time.process_time() - before_cpu) / took)
+        print(f"[bench] {size} ranks watched: {driver}, node readings {readings}", flush=True)
+    finally:
+        on.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    med = statistics.median
+    return {
+        "size": size,
+        "nodes": size // PER_NODE,
+        "on": med(driver["on"]),
+        "off": med(driver["off"]),
+        "readings": med(readings),
+        "seconds": seconds,
+        "runs": runs,
+    }
+
+
+def measure(
+    size: int, repeats: int, runs: int, steps: float, tmp: str, *, only: tuple[str, ...]
+) -> dict[str, Any]:
     """Every case `repeats` times and the overhead, on a fresh simulated cluster."""
     import ray
     from ray.cluster_utils import Cluster
@@ -294,13 +369,20 @@ def measure(size: int, repeats: int, runs: int, steps: float, tmp: str) -> dict[
     )
     try:
         fn("noop")  # the pool starts
-        cases = [run_case(fn, case, size, marks) for _ in range(repeats) for case in CASES]
-        cases += [run_slow(fn, case, size) for _ in range(repeats) for case in SLOW]
+        cases = [
+            run_case(fn, case, size, marks)
+            for _ in range(repeats)
+            for case in CASES
+            if case in only
+        ]
+        cases += [
+            run_slow(fn, case, size, marks) for _ in range(repeats) for case in SLOW if case in only
+        ]
         for c in cases:
             named = "-" if c["named_s"] is None else f"{c['named_s']:.1f} s"
             print(f"[bench] {size} ranks, {c['case']}: named after {named}, "
                   f"first report right: {c['first_right']} {c.get('first', '')}", flush=True)
-        costs = overhead(fn, runs, steps)
+        costs = overhead(fn, runs, steps) if runs else {}
         print(f"[bench] {size} ranks, detector on/off: {costs}", flush=True)
     finally:
         fn.shutdown()
@@ -314,32 +396,62 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="8,16,32", help="rank counts, multiples of 8")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each case per size")
-    parser.add_argument("--runs", type=int, default=7, help="on/off runs of the balanced loop")
+    parser.add_argument(
+        "--runs", type=int, default=7, help="on/off runs of the balanced loop (0: none)"
+    )
     parser.add_argument("--steps", type=float, default=12.0, help="seconds per balanced run")
+    parser.add_argument(
+        "--cases", default=",".join(CASES + SLOW), help="which cases (default: all of them)"
+    )
+    parser.add_argument(
+        "--watch-sizes", default="128", help="rank counts for the driver's cost of watching"
+    )
+    parser.add_argument("--watch-s", type=float, default=40.0, help="seconds per watched call")
     args = parser.parse_args()
+    only = tuple(args.cases.split(","))
+    if unknown := set(only) - set(CASES + SLOW):
+        parser.error(f"unknown cases {sorted(unknown)}; valid: {', '.join(CASES + SLOW)}")
     os.environ.setdefault("ORCHESTRATOR_STATUS", "0")  # the reports are read, not shown
     started = time.monotonic()
     rows = []
-    for size in [int(s) for s in args.sizes.split(",")]:
+    for size in [int(s) for s in args.sizes.split(",") if s]:
         tmp = tempfile.mkdtemp(prefix="rd", dir="/tmp")
         try:
-            rows.append(measure(size, args.repeats, args.runs, args.steps, tmp))
+            rows.append(measure(size, args.repeats, args.runs, args.steps, tmp, only=only))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    took = time.monotonic() - started
+    watched = []
+    for size in [int(s) for s in args.watch_sizes.split(",") if s]:
+        tmp = tempfile.mkdtemp(prefix="rd", dir="/tmp")
+        try:
+            watched.append(watching(size, max(args.runs // 2, 1), args.watch_s, tmp))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _tables(rows, watched, args, only, time.monotonic() - started)
+
+
+def _tables(
+    rows: list[dict[str, Any]],
+    watched: list[dict[str, Any]],
+    args: argparse.Namespace,
+    only: tuple[str, ...],
+    took: float,
+) -> None:
+    """Print what was measured."""
     print(f"\nbench_diagnose: {os.cpu_count()} cores; nodes of {PER_NODE} CPUs on this machine; "
           f"stall_after={STALL_AFTER_S:g} s; {args.repeats} run(s) per case; {took / 60:.1f} min")
     print("ranks | case | named after (median, max) | beyond stall_after | first report right")
     for row in rows:
-        for case in CASES + SLOW:
+        for case in [c for c in CASES + SLOW if c in only]:
             got = [c for c in row["cases"] if c["case"] == case]
             times = [c["named_s"] for c in got if c["named_s"] is not None]
             right = sum(c["first_right"] for c in got)
             if times:
                 named = f"{statistics.median(times):.1f} s, {max(times):.1f} s"
                 beyond = f"{statistics.median(times) - STALL_AFTER_S:+.1f} s"
-                if case in SLOW:
-                    beyond = "(from the call's start)"
+                if case in SLOW:  # counted from the first slow step; and from the call's start
+                    calls = [c["from_call_s"] for c in got if c["from_call_s"] is not None]
+                    beyond = f"({max(calls):.1f} s from the call's start, at most)"
             else:
                 named, beyond = "never", "-"
             missed = len(got) - len(times)
@@ -349,7 +461,7 @@ def main() -> None:
           f"for {args.steps:g} s; medians):")
     print("ranks | steps/s on / off | driver CPU on / off | sampler CPU per rank-minute | "
           "warm empty call on / off | balanced loop reported (hang or slow)")
-    for row in rows:
+    for row in [r for r in rows if "steps_on" in r]:
         print(
             f"{row['size']} | {row['steps_on']:.1f} / {row['steps_off']:.1f} | "
             f"{row['driver_on']:.1%} / {row['driver_off']:.1%} | "
@@ -357,6 +469,14 @@ def main() -> None:
             f"of a core) | {row['call_on']:.1f} / {row['call_off']:.1f} ms | "
             f"{row['balanced_reported']} times"
         )
+
+    if watched:
+        print("\nThe driver watching a long call of idle ranks (the default stall_after, "
+              "read every 5 s) and not, in turns (medians):")
+        print("ranks | nodes | driver CPU watched / not | node readings per call")
+    for row in watched:
+        print(f"{row['size']} | {row['nodes']} | {row['on']:.1%} / {row['off']:.1%} of a core "
+              f"| {row['readings']:g} in {row['seconds']:g} s ({row['runs']} runs each)")
 
 
 if __name__ == "__main__":
