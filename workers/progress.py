@@ -192,7 +192,8 @@ class Sampler:
         self._function = ""
         self._phase = COMPUTE
         self._collective = ""
-        self._tid = 0
+        self._clock = time.CLOCK_THREAD_CPUTIME_ID
+        """The function thread's CPU clock (readable from the looking thread)."""
         self._cpu = 0.0
         self._last_cpu = (0.0, 0.0)
         self._last_process = (0.0, 0.0)
@@ -219,8 +220,8 @@ class Sampler:
             self._key, self._since, self._frames, self._collective = None, now, [], ""
             self._recorded = ("", 0.0)
             self._place, self._function, self._phase = str(UNSEEN), "", COMPUTE
-            self._tid, self._cpu = threading.get_native_id(), 0.0
-            self._last_cpu = (now, _thread_cpu_s(self._tid))
+            self._clock, self._cpu = _cpu_clock(), 0.0
+            self._last_cpu = (now, _cpu_s(self._clock))
             self._last_process, self._process_cpu = (now, time.process_time()), 0.0
             self._looks, self._places, self._functions, self._phases = 0, {}, {}, {}
             self._ident = threading.get_ident()
@@ -293,7 +294,7 @@ class Sampler:
             self._count(now)
             if self._looks % WRITE_EVERY and self._looks > 1:
                 return  # the first look is written at once: a rank stuck from its start
-            used = _thread_cpu_s(self._tid)
+            used = _cpu_s(self._clock)
             was, self._last_cpu = self._last_cpu, (now, used)
             self._cpu = max(0.0, used - was[1]) / max(now - was[0], 1e-3)
             self._recorder(now)
@@ -349,10 +350,9 @@ class Sampler:
                 functions=self._functions,
                 phases=self._phases,
                 process_cpu=round(self._process_cpu, 2),
-                rss_mb=round(_rss_mb(), 1),
-                gpu_mb=_gpu_mb(),
-                gpu_busy=_gpu_busy(),
             )
+            if self._looks:  # not at the call's start: `begin` must cost next to nothing
+                record.update(rss_mb=round(_rss_mb(), 1), gpu_mb=_gpu_mb(), gpu_busy=_gpu_busy())
         data = json.dumps(record).encode()
         with contextlib.suppress(OSError):
             self._written = max(self._written, len(data))
@@ -514,12 +514,19 @@ def _module(file: str) -> str:
     return path.removesuffix("/__init__").replace("/", ".")
 
 
-def _thread_cpu_s(tid: int) -> float:
-    """CPU seconds thread `tid` of this process has used (schedstat: nanoseconds)."""
+def _cpu_clock() -> int:
+    """The calling thread's CPU clock, for other threads of this process to read."""
     try:
-        with open(f"/proc/self/task/{tid}/schedstat", "rb") as stat:
-            return int(stat.read().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):  # not on this platform: its own clock only
+        return time.CLOCK_THREAD_CPUTIME_ID
+
+
+def _cpu_s(clock: int) -> float:
+    """CPU seconds a thread has used, by its clock (one system call, no file)."""
+    try:
+        return time.clock_gettime(clock)
+    except OSError:  # the thread has ended
         return 0.0
 
 
