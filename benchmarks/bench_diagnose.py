@@ -1,7 +1,7 @@
 """Naming the rank that holds a job back (issue 24): how soon, how right, at what cost.
 
-    python -m benchmarks.bench_diagnose                      # 8, 16, 32 ranks (~25 min)
-    python -m benchmarks.bench_diagnose --sizes 8 --repeats 1
+    python -m benchmarks.bench_diagnose                      # 8, 16, 32; 128 (~50 min)
+    python -m benchmarks.bench_diagnose --sizes 8 --repeats 1 --watch-sizes ""
 
 For each size a `ray.cluster_utils.Cluster` runs N/8 nodes of 8 CPUs on this machine,
 and one warm gloo job (`distribute(..., replicas_per_node=8, stall_after=10)`) is held
@@ -29,7 +29,9 @@ here, not the default 60, so that the run fits in half an hour: what counts is t
 time beyond it. Then, with the detector on and off in turns (7 runs each): a balanced
 DDP loop's steps per second (and whether it was ever reported, hung or slow: it must
 not be), the driver's CPU, the rank's sampler thread's CPU per rank-minute, and a warm
-empty call.
+empty call. Last, on a cluster of 16 nodes, 128 idle ranks in a 40 s call, watched (the
+default stall_after) and not, in turns: the driver's CPU, and how many node readings it
+took (`--watch-sizes`).
 """
 
 from __future__ import annotations
@@ -440,7 +442,8 @@ def _tables(
     """Print what was measured."""
     print(f"\nbench_diagnose: {os.cpu_count()} cores; nodes of {PER_NODE} CPUs on this machine; "
           f"stall_after={STALL_AFTER_S:g} s; {args.repeats} run(s) per case; {took / 60:.1f} min")
-    print("ranks | case | named after (median, max) | beyond stall_after | first report right")
+    if rows:
+        print("ranks | case | named after (median, max) | beyond stall_after | first report right")
     for row in rows:
         for case in [c for c in CASES + SLOW if c in only]:
             got = [c for c in row["cases"] if c["case"] == case]
@@ -457,11 +460,13 @@ def _tables(
             missed = len(got) - len(times)
             named += f" ({missed} of {len(got)} not named)" if missed else ""
             print(f"{row['size']} | {case} | {named} | {beyond} | {right} of {len(got)}")
-    print(f"\nDetector on vs off, {args.runs} runs each in turns (a balanced gloo DDP loop "
-          f"for {args.steps:g} s; medians):")
-    print("ranks | steps/s on / off | driver CPU on / off | sampler CPU per rank-minute | "
-          "warm empty call on / off | balanced loop reported (hang or slow)")
-    for row in [r for r in rows if "steps_on" in r]:
+    costs = [r for r in rows if "steps_on" in r]
+    if costs:
+        print(f"\nDetector on vs off, {args.runs} runs each in turns (a balanced gloo DDP loop "
+              f"for {args.steps:g} s; medians):")
+        print("ranks | steps/s on / off | driver CPU on / off | sampler CPU per rank-minute | "
+              "warm empty call on / off | balanced loop reported (hang or slow)")
+    for row in costs:
         print(
             f"{row['size']} | {row['steps_on']:.1f} / {row['steps_off']:.1f} | "
             f"{row['driver_on']:.1%} / {row['driver_off']:.1%} | "
@@ -469,7 +474,6 @@ def _tables(
             f"of a core) | {row['call_on']:.1f} / {row['call_off']:.1f} ms | "
             f"{row['balanced_reported']} times"
         )
-
     if watched:
         print("\nThe driver watching a long call of idle ranks (the default stall_after, "
               "read every 5 s) and not, in turns (medians):")
