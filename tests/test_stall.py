@@ -282,3 +282,44 @@ def test_ranks_all_waiting_at_one_place_are_said_to_wait_for_something_outside(h
         "(the network, or a process outside the job)"
     )
     wait_resources_back()
+
+
+def _cuda_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _nccl_case(held: float) -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(held)
+    dist.all_reduce(t)  # rank 0's waits for rank 1 on the GPU, and its stack stays...
+    t.item()  # ...here, at the sync: the flight recorder says where it waits
+    return rank
+
+
+@pytest.mark.skipif(_cuda_gpus() < 2, reason="NCCL needs a GPU per rank: 2 CUDA GPUs here")
+def test_an_nccl_hang_names_the_last_collective_and_the_gpu_use(cluster):
+    """Written for a 2-GPU machine, not run on one yet: the flight recorder's last NCCL
+    collective of a rank whose stack waits on the GPU, and each rank's GPU use."""
+    fn = distribute(
+        _nccl_case, num_replicas=2, replicas_per_node=2, gpus_per_replica=1, stall_after=5
+    )
+    try:
+        job = fn.submit(25.0)
+        line = _until_reported(job, "rank 1 is at test_stall.py", "(last collective: nccl:")
+        assert "nccl:all_reduce #" in line and "not done" in line, line
+        use = job.call.use(0)
+        assert "GPU" in use and "% busy" in use, use
+        assert job.result() == [0, 1]
+    finally:
+        fn.shutdown()
+    wait_resources_back()
