@@ -278,7 +278,8 @@ class Watch:
                     continue
                 self.readings += 1
                 for entry in readings:
-                    if self._newer(entry, now):
+                    kept = self.where.get(entry.rank)
+                    if newer(entry, kept[0] if kept is not None else None):
                         self.where[entry.rank] = (entry, now)
                         self.shares.add(entry, now)
             for _, rank, sent in self.pending.values():
@@ -297,14 +298,6 @@ class Watch:
                 pids = {r: self.pool.infos[r].pid for r in ranks}
                 self.pending[self.pool.actors[reader].where.remote(pids)] = (node, reader, now)
         return self.next_read
-
-    def _newer(self, entry: Where, now: float) -> bool:
-        """Whether `entry` was looked at after the rank's reading kept now: two readers of
-        one node (one passed over, then answering late) may bring them out of order."""
-        kept = self.where.get(entry.rank)
-        if kept is None or entry.age_s is None or kept[0].age_s is None:
-            return True
-        return now - entry.age_s >= kept[1] - kept[0].age_s
 
     def report(
         self,
@@ -326,6 +319,16 @@ class Watch:
             returned=returned,
             mute=self.mute,
         )
+
+
+def newer(entry: Where, kept: Where | None) -> bool:
+    """Whether `entry` is a later reading of its rank than `kept`: by when the rank last
+    looked (on its node's clock), then by when it was read (the same look, read later, is
+    older by then). Two readers of one node (one passed over, then answering late) may
+    bring readings out of order; a rank that stopped looking is read the same each time."""
+    if kept is None:
+        return True
+    return (entry.sampled, entry.age_s or 0.0) >= (kept.sampled, kept.age_s or 0.0)
 
 
 def _who(ranks: Sequence[int]) -> str:

@@ -103,6 +103,18 @@ def test_a_rank_that_stopped_looking_does_not_answer():
     assert line.endswith("; rank 3 not read lately")  # and no claim on what the others wait for
 
 
+def test_a_rank_that_stopped_looking_is_read_again_and_out_of_order_readings_are_not():
+    frames = (_user(9, "x = 1"),)
+    first = Where(3, frames, True, still_s=2.0, age_s=0.4, sampled=1000.0)
+    # Its record stays the same (it stopped): each reading of it is later, older by then,
+    # whatever the reading's way back to the driver took.
+    again = Where(3, frames, True, still_s=3.0, age_s=1.4, sampled=1000.0)
+    assert stall.newer(first, None) and stall.newer(again, first)
+    # A late answer from a reader passed over: an earlier look, or the same one read earlier.
+    assert not stall.newer(Where(3, frames, True, 1.0, 0.2, sampled=999.0), again)
+    assert not stall.newer(first, again)
+
+
 def test_ranks_that_move_are_named_after_those_that_wait_for_them():
     frames = {r: _collective("barrier", 60) for r in range(1, 16)}
     where = _read(frames, still_s=90.0)

@@ -173,6 +173,8 @@ class Where:
     """torch's CUDA memory allocated, where the rank has initialized CUDA."""
     gpu_busy: int | None = None
     """Percent of NVML's last sample period its GPU ran a kernel, where NVML is at hand."""
+    sampled: float = 0.0
+    """When it last looked, on its node's clock (two readings of one rank compare by it)."""
 
 
 class Sampler:
@@ -393,6 +395,7 @@ def read(pids: dict[int, int]) -> list[Where]:
                 sampler_s=float(record.get("sampler_s", 0.0)),
                 gpu_mb=None if record.get("gpu_mb") is None else float(record["gpu_mb"]),
                 gpu_busy=None if record.get("gpu_busy") is None else int(record["gpu_busy"]),
+                sampled=float(record["sampled"]),
             )
         )
     return found
