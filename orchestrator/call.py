@@ -231,9 +231,10 @@ class Call:
                 self._compared = watch.readings
                 self.slow = watch.shares.stragglers(running, now)
             self.notice = self._notice()
-            # Only when no rank moves: a rank saving a checkpoint while its peers wait at
-            # a barrier is shown, not stopped.
-            if self.stall is not None and self.stall.stalled and self.on_stall == "raise":
+            # Raise mode, the user's choice, ends the call once ranks have waited
+            # `stall_after`, even for one that moves (rank 0 saving a checkpoint while its
+            # peers wait at a barrier): the report says just that.
+            if self.stall is not None and self.on_stall == "raise":
                 self._stall_out(self.stall)
         return min(due, self._judged + _JUDGE_S) if watch.where else due
 

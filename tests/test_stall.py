@@ -141,6 +141,18 @@ def test_same_stacks_are_shown_once_odd_ones_first():
 # A real job. Each case holds the job back in one way; `held` is how long.
 
 
+def _keep_going(case: str, held: float) -> None:
+    """A rank that keeps computing ('busy') or moving (evaluating, say) while its peers wait."""
+    end = time.monotonic() + held
+    while time.monotonic() < end:
+        if case == "busy":  # a tight loop: its stack may read the same at each look
+            total = sum(range(1000))
+            total += 1
+        else:
+            time.sleep(0.03)
+            time.sleep(0.03)  # its stack changes between looks: it makes progress
+
+
 def _case(case: str, held: float) -> int:
     import ctypes
     import signal as sig
@@ -168,11 +180,8 @@ def _case(case: str, held: float) -> int:
     elif case == "sigstop" and rank == 1:
         time.sleep(1.5)
         os.kill(os.getpid(), sig.SIGSTOP)  # the test sends SIGCONT
-    elif case == "busy" and rank == 0:
-        end = time.monotonic() + held
-        while time.monotonic() < end:
-            total = sum(range(1000))
-            total += 1
+    elif case in ("busy", "moving") and rank == 0:
+        _keep_going(case, held)
     elif case == "mismatch":
         if rank < 2:
             dist.all_reduce(t)
@@ -282,6 +291,18 @@ def test_on_stall_raise_ends_a_call_in_mismatched_collectives(held):
     assert set(err.stacks) == {0, 1, 2, 3}
     # The stuck pool is gone; the next call starts a fresh one and works.
     assert held("sleep", 0) == [0, 1, 2, 3]
+
+
+def test_on_stall_raise_ends_a_call_whose_ranks_wait_on_one_that_moves(held):
+    """The report names the one still moving (never calls it hung); raise mode, which the
+    user chose, ends the call all the same: ranks have waited `stall_after`."""
+    with pytest.raises(StallError) as info:
+        held.with_options(on_stall="raise")("moving", 120)
+    line = info.value.report.split("\n", 1)[0]
+    assert "3 ranks without progress for 0:0" in line, line
+    assert "3 ranks (r1-3) wait in all_reduce at test_stall.py" in line, line
+    assert "moved within the last 0:0" in line and "rank 0 is at test_stall.py" in line, line
+    wait_resources_back()
 
 
 def test_ranks_all_waiting_at_one_place_are_said_to_wait_for_something_outside(held):
