@@ -52,6 +52,7 @@ class Capture:
         self._seq = 0
         self._reading = threading.Lock()  # one reader of the pipes at a time: seqs in order
         self._syncs = 0  # how many syncs there were: a drain gathering output stops at one
+        self._gathering = 0  # drains gathering now: a sync wakes no thread but theirs
         self._pipes: dict[int, str] = {}
         for fd, stream in ((1, "stdout"), (2, "stderr")):
             read_end, write_end = os.pipe()
@@ -152,9 +153,13 @@ class Capture:
             self._cond.wait_for(lambda: self._chunks, timeout)
             if self._chunks and gather > 0:
                 synced = self._syncs
-                self._cond.wait_for(
-                    lambda: self._syncs != synced or self._buffered >= _GATHER_BYTES, gather
-                )
+                self._gathering += 1
+                try:
+                    self._cond.wait_for(
+                        lambda: self._syncs != synced or self._buffered >= _GATHER_BYTES, gather
+                    )
+                finally:
+                    self._gathering -= 1
             chunks, self._chunks, self._buffered = self._chunks, [], 0
             self._cond.notify_all()  # os._exit may be waiting for this
         return chunks
@@ -174,7 +179,8 @@ class Capture:
                 pass
         with self._cond:
             self._syncs += 1
-            self._cond.notify_all()  # a drain gathering more returns what it has
+            if self._gathering:  # it returns what it has; a drain waiting for a first
+                self._cond.notify_all()  # chunk is not woken for nothing (a GIL handoff)
             return self._seq
 
     def _pump(self) -> None:

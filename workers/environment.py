@@ -147,6 +147,10 @@ def rank_env(spec: RankSpec, error_file: str = "") -> dict[str, str]:
     return env
 
 
+_ENCODED: dict[str, bytes] = {}
+"""Names and values as os.environ encodes them: a warm call sets the same few dozen."""
+
+
 def _update_environ(env: dict[str, str]) -> None:
     """Set `env` in os.environ, skipping what holds its value already (a warm call changes
     one or two; each os.environ read or write encodes, and a write calls putenv)."""
@@ -156,9 +160,12 @@ def _update_environ(env: dict[str, str]) -> None:
     if not isinstance(raw, dict) or encode is None or environ.encodekey is not encode:
         environ.update(env)
         return
+    if len(_ENCODED) > 4096:  # ports and paths of many calls: start over
+        _ENCODED.clear()
     for name, value in env.items():
-        encoded = encode(value)
-        if raw.get(encode(name)) != encoded:
+        key = _ENCODED.get(name) or _ENCODED.setdefault(name, encode(name))
+        encoded = _ENCODED.get(value) or _ENCODED.setdefault(value, encode(value))
+        if raw.get(key) != encoded:
             environ[name] = value
 
 

@@ -197,7 +197,9 @@ class Sampler:
         self._clock = time.CLOCK_THREAD_CPUTIME_ID
         """The function thread's CPU clock (readable from the looking thread)."""
         self._cpu = 0.0
-        self._last_cpu = (0.0, 0.0)
+        self._last_cpu: tuple[float, float] | None = None
+        """When the function thread's CPU was last read, and what it was (None: not in this
+        call yet; its first look reads it, so that `begin` costs next to nothing)."""
         self._last_process = (0.0, 0.0)
         self._process_cpu = 0.0
         self._looks = 0
@@ -223,7 +225,7 @@ class Sampler:
             self._recorded = ("", 0.0)
             self._place, self._function, self._phase = str(UNSEEN), "", COMPUTE
             self._clock, self._cpu = _cpu_clock(), 0.0
-            self._last_cpu = (now, _cpu_s(self._clock))
+            self._last_cpu = None
             self._last_process, self._process_cpu = (now, time.process_time()), 0.0
             self._looks, self._places, self._functions, self._phases = 0, {}, {}, {}
             self._ident = threading.get_ident()
@@ -298,7 +300,8 @@ class Sampler:
                 return  # the first look is written at once: a rank stuck from its start
             used = _cpu_s(self._clock)
             was, self._last_cpu = self._last_cpu, (now, used)
-            self._cpu = max(0.0, used - was[1]) / max(now - was[0], 1e-3)
+            if was is not None:
+                self._cpu = max(0.0, used - was[1]) / max(now - was[0], 1e-3)
             self._recorder(now)
             self._write(now, running=True)
 
@@ -336,6 +339,15 @@ class Sampler:
         call writes twice, and a write must cost it next to nothing. Under `_writing`."""
         if self._fd is None:
             return
+        if not running or not self._looks:  # a call's start or end: only that, cheaply
+            flag = "true" if running else "false"
+            text = (
+                f'{{"sampled": {now!r}, "since": {self._since!r}, "running": {flag}, '
+                f'"samples": {self._looks}, "sampler_s": {self._sampler_s:.4f}, '
+                f'"collective": {json.dumps(self._collective)}}}'
+            )
+            self._put(text.encode())
+            return
         record = {
             "sampled": now,
             "since": self._since,
@@ -345,17 +357,21 @@ class Sampler:
             "samples": self._looks,
             "sampler_s": round(self._sampler_s, 4),
         }
-        if running:  # what a look found; an ended call's record says only that it ended
-            record.update(
-                frames=[[f.file, f.line, f.function, f.code, f.library] for f in self._frames],
-                places=self._places,
-                functions=self._functions,
-                phases=self._phases,
-                process_cpu=round(self._process_cpu, 2),
-            )
-            if self._looks:  # not at the call's start: `begin` must cost next to nothing
-                record.update(rss_mb=round(_rss_mb(), 1), gpu_mb=_gpu_mb(), gpu_busy=_gpu_busy())
-        data = json.dumps(record).encode()
+        record.update(  # what a look found
+            frames=[[f.file, f.line, f.function, f.code, f.library] for f in self._frames],
+            places=self._places,
+            functions=self._functions,
+            phases=self._phases,
+            process_cpu=round(self._process_cpu, 2),
+            rss_mb=round(_rss_mb(), 1),
+            gpu_mb=_gpu_mb(),
+            gpu_busy=_gpu_busy(),
+        )
+        self._put(json.dumps(record).encode())
+
+    def _put(self, data: bytes) -> None:
+        """Write `data` over the record, padded with spaces to the longest one yet."""
+        assert self._fd is not None
         with contextlib.suppress(OSError):
             self._written = max(self._written, len(data))
             os.pwrite(self._fd, data.ljust(self._written), 0)
