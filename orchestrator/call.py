@@ -239,7 +239,7 @@ class Call:
         return min(due, self._judged + _JUDGE_S) if watch.where else due
 
     def use(self, rank: int) -> str:
-        """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB 87%'."""
+        """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB 87% busy'."""
         found = self.watch.where.get(rank) if self.watch is not None else None
         if found is None or not found[0].running:
             return ""

@@ -112,10 +112,11 @@ def stacks(name: str, address: str | None, wait_s: float = 10.0) -> int:
                 actors[rank] = ray.get_actor(actor_name, namespace=ACTOR_NAMESPACE)
             except ValueError:
                 texts[rank] = "(the rank's actor is gone)"
+        deadline = time.monotonic() + wait_s  # one wait for both: a rank may not answer
         places = _places(job, actors, wait_s)
         if places:
             print(f"{places}\n", flush=True)
-        texts.update(rank_stacks(actors, wait_s))
+        texts.update(rank_stacks(actors, max(1.0, deadline - time.monotonic())))
         for same, text in group_stacks(dict(sorted(texts.items()))):
             print(f"--- {stacks_title(same)} ---\n{text}\n", flush=True)
     return 0
@@ -133,9 +134,8 @@ def _places(job: str, actors: dict[int, Any], wait_s: float) -> str:
             where.update({entry.rank: (entry, now) for entry in ray.get(ref)})
         except RayError:
             continue  # its stacks below say why
-    running = [rank for rank, (entry, _) in where.items() if entry.running]
-    if not running:
-        return ""
+    if not any(entry.running for entry, _ in where.values()):
+        return ""  # no call runs
     never = [-math.inf] * (max(actors) + 1)  # the ranks' output is not watched from here
-    found = stall.report(job, now, where, running, never, after_s=0.0)
+    found = stall.report(job, now, where, sorted(where), never, after_s=0.0)
     return found.places() if found is not None else ""

@@ -323,7 +323,8 @@ class Watch:
 
 def newer(entry: Where, kept: Where | None) -> bool:
     """Whether `entry` is a later reading of its rank than `kept`: by when the rank last
-    looked (on its node's clock), then by when it was read (the same look, read later, is
+    looked (on its node's monotonic clock: a step of its wall clock changes nothing),
+    then by when it was read (the same look, read later, is
     older by then). Two readers of one node (one passed over, then answering late) may
     bring readings out of order; a rank that stopped looking is read the same each time."""
     if kept is None:

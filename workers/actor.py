@@ -74,9 +74,6 @@ class RankActor:
         """The next call's store port, bound on this node's IP but not listening."""
         self._store_lock = threading.Lock()
         self._packed_spec = b""
-        self._error_file = ""
-        """torch's error file as the last call left it clean ("" after a failure: only an
-        uncaught error writes it, and the next call removes it first)."""
         self._spec: RankSpec | None = None
         self._capture = Capture()
         self._sampler = progress.Sampler()
@@ -183,11 +180,6 @@ class RankActor:
             self._packed_spec = packed_spec
         spec = _for_call(base, call, share_key=f"{call.share_key}-{self._node_id[:16]}")
         outcome = self._run(spec, payload, watched=call.watched)
-        try:  # pickle's C pickler first (a fifth of cloudpickle's cost); cloudpickle for
-            # what only it can pickle (a function or class defined in the user's code)
-            return pickle.dumps(outcome, pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001, S110 - cloudpickle's turn
-            pass
         try:
             return cloudpickle.dumps(outcome)
         except Exception as exc:  # noqa: BLE001 - reported as the rank's failure
@@ -210,7 +202,7 @@ class RankActor:
             buffers = sharing.private_buffers(
                 payload.buffers, payload.readonly, spec.share_key, readers
             )
-            environment.apply(spec)
+            device = environment.apply(spec)
             for name, lines in payload.sources.items():
                 # mtime None: linecache keeps the entry even where no such file exists.
                 linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
@@ -219,13 +211,11 @@ class RankActor:
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return self._failure(exc, time.time(), setup=True)
         error_file = os.environ.get(elastic.VAR, "")
-        if error_file != self._error_file:  # a new process's, or moved: none of ours there
-            elastic.forget(error_file)
-            self._error_file = error_file
+        elastic.forget(error_file)  # an earlier call's (one a caught error left, too)
         started = time.time()
         sampler = self._sampler if watched else None
         if sampler is not None:
-            sampler.begin()
+            sampler.begin(device)
         try:
             with script.driver_main(fn):
                 value = fn(*args, **kwargs)
@@ -238,7 +228,6 @@ class RankActor:
             _destroy_process_group()
             failure = self._failure(exc, when, setup=False)
             report = elastic.read(error_file, started)
-            self._error_file = ""  # kept for the user to read; the next call removes it
             if report is None:
                 return failure
             message = report.message.removeprefix(f"{type(exc).__name__}: ")

@@ -53,6 +53,7 @@ class Capture:
         self._reading = threading.Lock()  # one reader of the pipes at a time: seqs in order
         self._syncs = 0  # how many syncs there were: a drain gathering output stops at one
         self._gathering = 0  # drains gathering now: a sync wakes no thread but theirs
+        self._synced_seq = 0  # the last chunk's seq at the last sync: all before it is in
         self._pipes: dict[int, str] = {}
         for fd, stream in ((1, "stdout"), (2, "stderr")):
             read_end, write_end = os.pipe()
@@ -151,7 +152,9 @@ class Capture:
         """
         with self._cond:
             self._cond.wait_for(lambda: self._chunks, timeout)
-            if self._chunks and gather > 0:
+            # Gather only output that came since the last sync (a sync that came first, as
+            # this drain woke, would otherwise leave it waiting its whole `gather`).
+            if self._chunks and gather > 0 and self._chunks[-1].seq > self._synced_seq:
                 synced = self._syncs
                 self._gathering += 1
                 try:
@@ -179,6 +182,7 @@ class Capture:
                 pass
         with self._cond:
             self._syncs += 1
+            self._synced_seq = self._seq
             if self._gathering:  # it returns what it has; a drain waiting for a first
                 self._cond.notify_all()  # chunk is not woken for nothing (a GIL handoff)
             return self._seq
@@ -211,9 +215,10 @@ class Capture:
 
     def _append(self, stream: str, data: bytes) -> None:
         with self._cond:
+            self._seq += 1
             if stream not in STREAMS:  # an exit status or a state: no gathering after it
                 self._syncs += 1
-            self._seq += 1
+                self._synced_seq = self._seq
             self._chunks.append(OutputChunk(self._seq, stream, data))
             if self._tee >= 0 and stream in STREAMS:
                 with contextlib.suppress(OSError):  # full: the keeper lags, skip the copy

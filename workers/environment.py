@@ -169,8 +169,9 @@ def _update_environ(env: dict[str, str]) -> None:
             environ[name] = value
 
 
-def apply(spec: RankSpec) -> None:
-    """Set this process's environment for `spec` and bind its GPU, before user code."""
+def apply(spec: RankSpec) -> int | None:
+    """Set this process's environment for `spec` and bind its GPU, before user code; the
+    CUDA device bound to the calling thread, if one was."""
     _update_environ(rank_env(spec, elastic.error_file()))
     if spec.workdir and os.path.isdir(spec.workdir):
         os.chdir(spec.workdir)
@@ -183,7 +184,7 @@ def apply(spec: RankSpec) -> None:
 
         sys.breakpointhook = debugger.set_trace
     if "torch" not in sys.modules and not spec.uses_torch:
-        return  # it reads OMP_NUM_THREADS when the function imports it, if it does
+        return None  # it reads OMP_NUM_THREADS when the function imports it, if it does
     import torch  # late: CUDA must see CUDA_VISIBLE_DEVICES before it initializes
 
     c10d = getattr(torch._C, "_distributed_c10d", None)
@@ -195,3 +196,5 @@ def apply(spec: RankSpec) -> None:
     has_gpu = spec.cuda_visible_devices and torch.cuda.is_available()
     if has_gpu and spec.local_rank < torch.cuda.device_count():
         torch.cuda.set_device(spec.local_rank)
+        return spec.local_rank
+    return None

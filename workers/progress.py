@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,8 @@ class Where:
     gpu_busy: int | None = None
     """Percent of NVML's last sample period its GPU ran a kernel, where NVML is at hand."""
     sampled: float = 0.0
-    """When it last looked, on its node's clock (two readings of one rank compare by it)."""
+    """When it last looked, on its node's monotonic clock (which every process there
+    shares): two readings of one rank compare by it."""
 
 
 class Sampler:
@@ -196,6 +198,8 @@ class Sampler:
         self._collective = ""
         self._clock = time.CLOCK_THREAD_CPUTIME_ID
         """The function thread's CPU clock (readable from the looking thread)."""
+        self._device: int | None = None
+        """The CUDA device the function thread was given (its GPU's memory and use)."""
         self._cpu = 0.0
         self._last_cpu: tuple[float, float] | None = None
         """When the function thread's CPU was last read, and what it was (None: not in this
@@ -210,8 +214,9 @@ class Sampler:
         self._functions: dict[str, int] = {}
         self._phases: dict[str, list[float]] = {}
 
-    def begin(self) -> None:
-        """The calling thread runs a call's function from now on: watch it.
+    def begin(self, device: int | None = None) -> None:
+        """The calling thread runs a call's function from now on: watch it (`device`: the
+        CUDA device it was given; the looking thread's own current device is the first).
 
         Said at once, not by the sampler: a function that takes the GIL for good at its
         first line would leave the last call's end as this rank's word. Never raises: a
@@ -222,7 +227,7 @@ class Sampler:
         now = time.time()
         with self._writing:
             self._key, self._since, self._frames, self._collective = None, now, [], ""
-            self._recorded = ("", 0.0)
+            self._recorded, self._device = ("", 0.0), device
             self._place, self._function, self._phase = str(UNSEEN), "", COMPUTE
             self._clock, self._cpu = _cpu_clock(), 0.0
             self._last_cpu = None
@@ -342,7 +347,8 @@ class Sampler:
         if not running or not self._looks:  # a call's start or end: only that, cheaply
             flag = "true" if running else "false"
             text = (
-                f'{{"sampled": {now!r}, "since": {self._since!r}, "running": {flag}, '
+                f'{{"sampled": {now!r}, "mono": {time.monotonic()!r}, '
+                f'"since": {self._since!r}, "running": {flag}, '
                 f'"samples": {self._looks}, "sampler_s": {self._sampler_s:.4f}, '
                 f'"collective": {json.dumps(self._collective)}}}'
             )
@@ -350,6 +356,7 @@ class Sampler:
             return
         record = {
             "sampled": now,
+            "mono": time.monotonic(),
             "since": self._since,
             "running": running,
             "cpu": round(self._cpu, 2),
@@ -364,8 +371,8 @@ class Sampler:
             phases=self._phases,
             process_cpu=round(self._process_cpu, 2),
             rss_mb=round(_rss_mb(), 1),
-            gpu_mb=_gpu_mb(),
-            gpu_busy=_gpu_busy(),
+            gpu_mb=_gpu_mb(self._device),
+            gpu_busy=_gpu_busy(self._device),
         )
         self._put(json.dumps(record).encode())
 
@@ -411,7 +418,7 @@ def read(pids: dict[int, int]) -> list[Where]:
                 sampler_s=float(record.get("sampler_s", 0.0)),
                 gpu_mb=None if record.get("gpu_mb") is None else float(record["gpu_mb"]),
                 gpu_busy=None if record.get("gpu_busy") is None else int(record["gpu_busy"]),
-                sampled=float(record["sampled"]),
+                sampled=float(record.get("mono", 0.0)),
             )
         )
     return found
@@ -466,16 +473,16 @@ def _rss_mb() -> float:
         return 0.0
 
 
-def _gpu_mb() -> float | None:
-    """torch's CUDA memory allocated on this rank's device, where CUDA is initialized
-    (never initialized here: that would take a GPU context)."""
+def _gpu_mb(device: int | None) -> float | None:
+    """torch's CUDA memory allocated on the rank's device (None: the current one), where
+    CUDA is initialized (never initialized here: that would take a GPU context)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
     try:
         if not torch.cuda.is_initialized():
             return None
-        return round(torch.cuda.memory_allocated() / 2**20, 1)
+        return round(torch.cuda.memory_allocated(device) / 2**20, 1)
     except Exception:  # noqa: BLE001 - no CUDA build, or a driver problem: not shown
         return None
 
@@ -484,10 +491,11 @@ _nvml: dict[str, Any] = {}
 """NVML, once loaded: the module, and a handle per device (empty: not tried yet)."""
 
 
-def _gpu_busy() -> int | None:
-    """How busy this rank's GPU was over NVML's last sample period (percent), where CUDA
-    is initialized and NVML can be loaded (nvidia-ml-py, else the copy Ray ships); a
-    device NVML cannot read (a MIG slice) says nothing, once and for all."""
+def _gpu_busy(device: int | None) -> int | None:
+    """How busy the rank's GPU (None: the current device) was over NVML's last sample
+    period, in percent, where CUDA is initialized and NVML can be loaded (nvidia-ml-py,
+    else the copy Ray ships). The GPU is found by its UUID, as CUDA and NVML number
+    GPUs differently; one NVML cannot read (a MIG slice) says nothing, once and for all."""
     torch = sys.modules.get("torch")
     if torch is None or _nvml.get("broken"):
         return None
@@ -495,24 +503,23 @@ def _gpu_busy() -> int | None:
         if not torch.cuda.is_initialized():
             return None
         if not _nvml:
-            try:
-                import pynvml  # nvidia-ml-py, where the user has it
-            except ImportError:
-                from ray._private.thirdparty import pynvml
+            with warnings.catch_warnings():  # the old pynvml package warns on import
+                warnings.simplefilter("ignore")
+                try:
+                    import pynvml  # nvidia-ml-py, where the user has it
+                except ImportError:
+                    from ray._private.thirdparty import pynvml
             pynvml.nvmlInit()
             _nvml["module"] = pynvml
         nvml = _nvml["module"]
-        device = torch.cuda.current_device()
-        handle = _nvml.get(f"handle{device}")
+        index = torch.cuda.current_device() if device is None else device
+        handle = _nvml.get(f"handle{index}")
         if handle is None:
-            visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-            named = visible[device] if device < len(visible) and visible[device] else str(device)
-            handle = (
-                nvml.nvmlDeviceGetHandleByIndex(int(named))
-                if named.isdigit()
-                else nvml.nvmlDeviceGetHandleByUUID(named)
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+            handle = nvml.nvmlDeviceGetHandleByUUID(
+                uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
             )
-            _nvml[f"handle{device}"] = handle
+            _nvml[f"handle{index}"] = handle
         return int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
     except Exception:  # noqa: BLE001 - no NVML, no driver, a MIG slice: not shown
         _nvml["broken"] = True

@@ -95,13 +95,11 @@ class _Watcher:
         os.write(self._wake_w, b"x")
 
     def forget(self, server: StoreServer) -> None:
-        """Stop watching `server` (it is closing), without waking the thread: a wake at
-        each call's end costs the rank a GIL handoff. The thread, in `select` on the
-        closed socket, waits for the next `watch`; one that wakes meanwhile (the fd's
-        number reused) finds no server and selects on its wake pipe alone."""
+        """Stop watching `server` (it is closing); the thread selects anew without it."""
         with self._lock:
             if self._server is server:
                 self._server = None
+                os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         while True:
