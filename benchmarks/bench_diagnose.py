@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_diagnose                      # 8, 16, 32; 128 (~50 min)
     python -m benchmarks.bench_diagnose --sizes 8 --repeats 1 --watch-sizes ""
+    python -m benchmarks.bench_diagnose --sizes 4 --per-node 2 ...  # the tests' 2 nodes
 
 For each size a `ray.cluster_utils.Cluster` runs N/8 nodes of 8 CPUs on this machine,
 and one warm gloo job (`distribute(..., replicas_per_node=8, stall_after=10)`) is held
@@ -396,7 +397,7 @@ def measure(
 def main() -> None:
     """Run the sizes asked for, print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="8,16,32", help="rank counts, multiples of 8")
+    parser.add_argument("--sizes", default="8,16,32", help="rank counts, multiples of --per-node")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each case per size")
     parser.add_argument(
         "--runs", type=int, default=7, help="on/off runs of the balanced loop (0: none)"
@@ -408,8 +409,13 @@ def main() -> None:
     parser.add_argument(
         "--watch-sizes", default="128", help="rank counts for the driver's cost of watching"
     )
+    parser.add_argument(
+        "--per-node", type=int, default=8, help="ranks (and CPUs) per simulated node"
+    )
     parser.add_argument("--watch-s", type=float, default=40.0, help="seconds per watched call")
     args = parser.parse_args()
+    global PER_NODE  # noqa: PLW0603 - one setting for the whole run
+    PER_NODE = args.per_node
     only = tuple(args.cases.split(","))
     if unknown := set(only) - set(CASES + SLOW):
         parser.error(f"unknown cases {sorted(unknown)}; valid: {', '.join(CASES + SLOW)}")
