@@ -285,6 +285,21 @@ def overhead(fn: Any, runs: int, steps: float) -> dict[str, Any]:
     }
 
 
+def _cluster(size: int, tmp: str) -> Any:
+    """A simulated cluster of `size / PER_NODE` nodes on this machine, this process its driver."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_TMPDIR"] = tmp
+    args = {"num_cpus": PER_NODE, "object_store_memory": 96 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args=args)
+    for _ in range(size // PER_NODE - 1):
+        cluster.add_node(**args)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
 def idle(seconds: float) -> int:
     """A long call that uses no torch (so ranks skip its preload: 128 of them fit here)."""
     time.sleep(seconds)
@@ -295,17 +310,10 @@ def watching(size: int, runs: int, seconds: float, tmp: str) -> dict[str, Any]:
     """The driver's CPU over a long call of `size` idle ranks, watched (the default
     stall_after) and not, in turns; and what a reading of every node costs it."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from orchestrator import distribute
 
-    os.environ["RAY_TMPDIR"] = tmp
-    args = {"num_cpus": PER_NODE, "object_store_memory": 96 * 2**20}
-    cluster = Cluster(initialize_head=True, head_node_args=args)
-    for _ in range(size // PER_NODE - 1):
-        cluster.add_node(**args)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster = _cluster(size, tmp)
     on = distribute(
         idle, num_replicas=size, replicas_per_node=PER_NODE, cpus_per_replica=1,
         gpus_per_replica=0, log_dir=False, name="watch",
@@ -348,17 +356,10 @@ def measure(
 ) -> dict[str, Any]:
     """Every case `repeats` times and the overhead, on a fresh simulated cluster."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from orchestrator import distribute
 
-    os.environ["RAY_TMPDIR"] = tmp
-    args = {"num_cpus": PER_NODE, "object_store_memory": 96 * 2**20}
-    cluster = Cluster(initialize_head=True, head_node_args=args)
-    for _ in range(size // PER_NODE - 1):
-        cluster.add_node(**args)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster = _cluster(size, tmp)
     marks = Path(tempfile.mkdtemp(prefix="marks", dir=tmp))
     fn = distribute(
         job,
