@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,16 @@ _JUDGE_S = 1.0
 """While ranks are read, how often the driver works out who makes no progress."""
 _FORGET_WAIT_S = 5.0
 """After a failure, how long to wait for stopped ranks to be gone before cleaning up."""
+
+
+@dataclass(frozen=True)
+class Awaited:
+    """The ranks whose outcomes one Ray task in flight brings."""
+
+    ranks: tuple[int, ...]
+    leader: int | None = None
+    """The rank whose actor handed the call to its node's `ranks` (see handoff); None
+    for a rank's own task."""
 
 
 class Call:
@@ -107,10 +118,19 @@ class Call:
             watched=options.stall_after is not None,
         )
         packed_call = pickle.dumps(call, pickle.HIGHEST_PROTOCOL)
-        self.runs = {
-            actor.run.remote(packed, packed_call, shipped.data): rank
-            for rank, (actor, packed) in enumerate(zip(pool.actors, pool.packed_specs, strict=True))
-        }
+        self.call_id = self.share_key.encode()
+        self.runs: dict[ray.ObjectRef, Awaited] = {}
+        """The Ray tasks in flight that bring ranks' outcomes: one per node (a small
+        payload, handed off within each node), else one per rank."""
+        if pool.handoff and isinstance(shipped.data, bytes):
+            for node in pool.nodes:
+                leader = pool.actors[node.ranks[0]]
+                ref = leader.run_node.remote(self.call_id, packed_call, shipped.data, node.peers)
+                self.runs[ref] = Awaited(node.ranks, node.ranks[0])
+        else:  # a large payload is read from the object store by each rank, in place
+            specs = zip(pool.actors, pool.packed_specs, strict=True)
+            for rank, (actor, packed) in enumerate(specs):
+                self.runs[actor.run.remote(packed, packed_call, shipped.data)] = Awaited((rank,))
         self.dead: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         """Statuses ranks passed to os._exit, as they reported them just before."""
@@ -216,7 +236,7 @@ class Call:
         if (watch.where or watch.mute) and now >= self._judged + _JUDGE_S:
             self._judged = now
             self.stall = None
-            running = set(self.runs.values())
+            running = self.running()
             if not any(self.waits_on.values()):  # a rank in a debugger holds the others
                 self.stall = watch.report(
                     self.pool.name,
@@ -299,10 +319,12 @@ class Call:
         how long ranks still running may take to return (a peer's death reaches gloo
         ranks in moments); 0 after a timeout, where they are all stuck.
         """
-        if self.runs and settle_s:
-            done, _ = ray.wait(list(self.runs), num_returns=len(self.runs), timeout=settle_s)
-            for ref in done:
-                self._take(self._outcome(self.runs.pop(ref), ref))
+        until = time.monotonic() + settle_s
+        while self.runs and (left := until - time.monotonic()) > 0:
+            done = _ready(list(self.runs), left)  # a node's rest comes in a task of its own
+            if not done:
+                break
+            self._take_all(done)
         broken = self.broken_ranks()
         return len(broken) < len(self.pool.actors) and self.pool.replace(broken, attempt)
 
@@ -313,9 +335,13 @@ class Call:
         raised an error of their own (their process may be in a bad state, e.g. CUDA's).
         A rank that finished, or failed only because a peer did, is healthy.
         """
-        broken = set(self.runs.values()) | self.dead
+        broken = self.running() | self.dead
         broken |= {f.rank for f in self.failures if f.exc_type == CRASH or not is_secondary(f)}
         return broken
+
+    def running(self) -> set[int]:
+        """Ranks whose outcomes have not come yet."""
+        return {rank for awaited in self.runs.values() for rank in awaited.ranks}
 
     def _forget_buffers(self) -> None:
         """After a failed call's ranks were told to stop: remove what they left in /dev/shm.
@@ -356,18 +382,50 @@ class Call:
         }
 
     def _take_all(self, refs: list[ray.ObjectRef]) -> None:
-        """Take the outcomes of these finished runs, fetched together where all are there."""
+        """Take the outcomes these finished tasks bring, fetched together where all are there."""
         if not refs:
             return
         try:
-            packed = ray.get(refs)
-        except RayActorError:  # one is gone: each on its own, that one as a crash
-            for ref in refs:
-                self._take(self._outcome(self.runs.pop(ref), ref))
-            return
-        for ref, data in zip(refs, packed, strict=True):
-            self.runs.pop(ref)
-            self._take(pickle.loads(data))  # noqa: S301 - from our own rank actor
+            values: list[bytes | None] = ray.get(refs)
+        except RayActorError:  # one is gone: each on its own below
+            values = [None] * len(refs)
+        for ref, value in zip(refs, values, strict=True):
+            awaited = self.runs.pop(ref)
+            try:
+                data = ray.get(ref) if value is None else value
+            except RayActorError as exc:
+                self._lost(awaited, exc)
+                continue
+            if awaited.leader is None:
+                self._take(pickle.loads(data))  # noqa: S301 - from our own rank actor
+            else:
+                self._take_node(awaited.leader, data)
+
+    def _take_node(self, leader: int, data: bytes) -> None:
+        """Take what `leader` collected from its node's ranks; ask again for the rest."""
+        done, pending = pickle.loads(data)  # noqa: S301 - from our own rank actor
+        for rank, outcome in done:
+            if outcome is None:  # its socket closed: Ray says why the rank is gone
+                self._ask(rank)
+            else:
+                self._take(pickle.loads(outcome))  # noqa: S301 - from our own rank actor
+        if pending:
+            rest = self.pool.actors[leader].collect.remote(self.call_id)
+            self.runs[rest] = Awaited(tuple(pending), leader)
+
+    def _lost(self, awaited: Awaited, exc: RayActorError) -> None:
+        """The actor that was to bring `awaited`'s outcomes is gone: its rank crashed; the
+        node's other ranks (whose call it handed off) are asked for theirs directly."""
+        gone = awaited.ranks[0] if awaited.leader is None else awaited.leader
+        if gone in awaited.ranks:
+            self._take(self._crash(gone, exc))
+        for rank in awaited.ranks:
+            if rank != gone:
+                self._ask(rank)
+
+    def _ask(self, rank: int) -> None:
+        """Ask `rank`'s actor itself for its outcome of this call (handed off to it)."""
+        self.runs[self.pool.actors[rank].outcome.remote(self.call_id)] = Awaited((rank,))
 
     def _take(self, outcome: RankResult | RankFailure) -> None:
         self.owed[outcome.rank] = outcome.output_seq
@@ -394,29 +452,27 @@ class Call:
         shown = [chunk for chunk in chunks if chunk.stream not in (EXIT_STREAM, STATE_STREAM)]
         self.console.write(rank, shown)
 
-    def _outcome(self, rank: int, ref: ray.ObjectRef) -> RankResult | RankFailure:
-        try:
-            return pickle.loads(ray.get(ref))  # noqa: S301 - from our own rank actor
-        except RayActorError as exc:
-            self.dead.add(rank)
-            info = self.pool.infos[rank]
-            last_words = self._show_leftovers(rank)
-            return RankFailure(
-                rank=rank,
-                local_rank=self.pool.specs[rank].local_rank,
-                node_ip=info.node_ip,
-                hostname=info.hostname,
-                pid=info.pid,
-                time=time.time(),
-                exc_type=CRASH,
-                message=crash.reason(
-                    exc,
-                    self.exit_codes.get(rank),
-                    last_words,
-                    node_gone=cluster.node_lost(info.node_id),
-                ),
-                traceback="",
-            )
+    def _crash(self, rank: int, exc: RayActorError) -> RankFailure:
+        """`rank`'s failure: its actor is gone (`exc`, Ray's word on why)."""
+        self.dead.add(rank)
+        info = self.pool.infos[rank]
+        last_words = self._show_leftovers(rank)
+        return RankFailure(
+            rank=rank,
+            local_rank=self.pool.specs[rank].local_rank,
+            node_ip=info.node_ip,
+            hostname=info.hostname,
+            pid=info.pid,
+            time=time.time(),
+            exc_type=CRASH,
+            message=crash.reason(
+                exc,
+                self.exit_codes.get(rank),
+                last_words,
+                node_gone=cluster.node_lost(info.node_id),
+            ),
+            traceback="",
+        )
 
     def _show_leftovers(self, rank: int) -> str:
         """Show what a dead rank wrote in its last instant (saved by its keeper); return it."""

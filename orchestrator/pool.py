@@ -10,6 +10,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -21,10 +22,10 @@ from orchestrator.channel import RankChannel, rank_stacks
 from orchestrator.errors import PlacementTimeoutError, StopRequested
 from orchestrator.placement import Request
 from orchestrator.states import State
-from orchestrator_workers import environment
+from orchestrator_workers import environment, handoff
 from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
 from orchestrator_workers.environment import order_devices
-from orchestrator_workers.protocol import NodeInfo, RankSpec
+from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec
 
 _RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)  # type: ignore[call-overload]  # Ray's stubs omit this documented option
 _WAIT_NOTICE_S = 1.0
@@ -54,6 +55,16 @@ def parse_actor_name(name: str) -> tuple[str, str, int] | None:
     if match is None:
         return None
     return match["job"], match["pool"], int(match["rank"])
+
+
+@dataclass(frozen=True)
+class Node:
+    """The ranks of one Ray node, as a call reaches them (see handoff)."""
+
+    ranks: tuple[int, ...]
+    """The first one hands the call to the others (and to itself)."""
+    peers: bytes
+    """Every rank's Peer, pickled once for every call."""
 
 
 class Pool:
@@ -89,6 +100,11 @@ class Pool:
         """Each rank's place in the job; a call adds its own half (a CallSpec)."""
         self.packed_specs: list[bytes] = []
         """`specs`, pickled once for every call."""
+        self.nodes: list[Node] = []
+        """The ranks by node, for calls handed off within each node."""
+        self.handoff = False
+        """Whether a call with a small payload goes to each node's first rank, which hands
+        it to the others (else one Ray task per rank)."""
         self.store_port = 0
         """The port of the rendezvous store rank 0 serves for the next call."""
         self._stop = stop or threading.Event()
@@ -245,6 +261,20 @@ class Pool:
             workdir=self._workdir,
         )
         self.packed_specs = [pickle.dumps(spec, pickle.HIGHEST_PROTOCOL) for spec in self.specs]
+        by_node: dict[str, list[int]] = {}
+        for rank, info in enumerate(self.infos):
+            by_node.setdefault(info.node_id, []).append(rank)
+        self.nodes = [
+            Node(tuple(ranks), handoff.pack_peers([self._peer(rank) for rank in ranks]))
+            for ranks in by_node.values()
+        ]
+        self.handoff = os.environ.get(handoff.SWITCH, "1") != "0" and all(
+            info.door for info in self.infos
+        )
+
+    def _peer(self, rank: int) -> Peer:
+        info = self.infos[rank]
+        return Peer(rank=rank, door=info.door, pid=info.pid, spec=self.packed_specs[rank])
 
     def use_store(self, port: int | None, *, close: bool) -> None:
         """After a call: rank 0 reserved `port` for the next call's store; `close`: its

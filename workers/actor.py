@@ -22,6 +22,7 @@ from orchestrator_workers import (
     debugger,
     elastic,
     environment,
+    handoff,
     progress,
     script,
     sharing,
@@ -33,14 +34,16 @@ from orchestrator_workers.protocol import (
     NodeInfo,
     OutputChunk,
     Payload,
+    Peer,
     RankFailure,
     RankResult,
     RankSpec,
 )
 from orchestrator_workers.store import StoreServer, reserve_port
 
-CONCURRENCY_GROUPS = {"control": 4}
-"""Calls that must be answered while `run` is busy (output, stacks) use this group."""
+CONCURRENCY_GROUPS = {"control": 4, "node": 2}
+"""Calls that must be answered while a call runs: output and stacks ("control"); a node's
+hand-off and its outcomes ("node")."""
 
 
 class RankActor:
@@ -77,6 +80,10 @@ class RankActor:
         self._spec: RankSpec | None = None
         self._capture = Capture()
         self._sampler = progress.Sampler()
+        self._door = handoff.Door(self._serve_call)
+        self._hand = handoff.Hand()
+        self._packed_peers = b""
+        self._peers: tuple[Peer, ...] = ()
         self._importing: threading.Thread | None = None
         if preload_torch:
             self._importing = threading.Thread(
@@ -108,6 +115,7 @@ class RankActor:
             interface=environment.interface_for_ip(self._node_ip),
             tail_path=self._capture.tail,
             niceness=os.getpriority(os.PRIO_PROCESS, 0),
+            door=self._door.name,
         )
 
     @ray.method(concurrency_group="control")
@@ -165,6 +173,28 @@ class RankActor:
                 reserved = reserve_port(self._node_ip, port)
             self._store = StoreServer(reserved)
 
+    @ray.method(concurrency_group="node")
+    def run_node(self, call_id: bytes, packed_call: bytes, payload: bytes, peers: bytes) -> bytes:
+        """As its node's first rank: hand call `call_id` to every rank of the node (pickled
+        Peers, this rank among them); return the first outcomes, pickled (see `collect`)."""
+        if peers != self._packed_peers:  # the same while the pool lives
+            self._peers = pickle.loads(peers)  # noqa: S301 - our driver's
+            self._packed_peers = peers
+        self._hand.start(call_id, self._peers, packed_call, payload)
+        return pickle.dumps(self._hand.collect(call_id), pickle.HIGHEST_PROTOCOL)
+
+    @ray.method(concurrency_group="node")
+    def collect(self, call_id: bytes) -> bytes:
+        """As its node's first rank: the outcomes of call `call_id` not yet collected, and
+        the ranks still running, pickled; once all are done, or at once after a failure."""
+        return pickle.dumps(self._hand.collect(call_id), pickle.HIGHEST_PROTOCOL)
+
+    @ray.method(concurrency_group="node")
+    def outcome(self, call_id: bytes) -> bytes:
+        """This rank's outcome of handed-off call `call_id`, once it has one (for when the
+        rank that handed it the call is gone)."""
+        return self._door.outcome(call_id)
+
     def run(self, packed_spec: bytes, packed_call: bytes, payload: bytes | Payload) -> bytes:
         """Run the shipped function as the rank the pickled RankSpec names, with what the
         pickled CallSpec adds; never raises.
@@ -173,6 +203,12 @@ class RankActor:
         RankResult or RankFailure goes back cloudpickled: bytes cost Ray nothing more to
         pass, and a value that cannot be pickled becomes this rank's failure.
         """
+        return self._serve_call(packed_spec, packed_call, payload)[1]
+
+    def _serve_call(
+        self, packed_spec: bytes, packed_call: bytes, payload: bytes | Payload
+    ) -> tuple[bool, bytes]:
+        """`run`'s work, wherever the call came from: (whether it failed, the outcome)."""
         call: CallSpec = pickle.loads(packed_call)  # noqa: S301 - our driver's
         base = self._spec
         if base is None or packed_spec != self._packed_spec:  # the same while the pool lives
@@ -181,13 +217,13 @@ class RankActor:
         spec = _for_call(base, call, share_key=f"{call.share_key}-{self._node_id[:16]}")
         outcome = self._run(spec, payload, watched=call.watched)
         try:
-            return cloudpickle.dumps(outcome)
+            return isinstance(outcome, RankFailure), cloudpickle.dumps(outcome)
         except Exception as exc:  # noqa: BLE001 - reported as the rank's failure
             problem = TypeError(
                 f"the function returned a value that cannot be sent to the driver ({exc}); "
                 "return something picklable (tensors, numbers, dicts), or save it to a file"
             )
-            return cloudpickle.dumps(self._failure(problem, time.time(), setup=False))
+            return True, cloudpickle.dumps(self._failure(problem, time.time(), setup=False))
 
     def _run(
         self, spec: RankSpec, packed: bytes | Payload, *, watched: bool = True

@@ -288,7 +288,7 @@ class Sampler:
                 return
             now = time.time()
             frame = sys._current_frames().get(ident)
-            stack = after_entry(frames_of(frame), "run") or []
+            stack = after_entry(frames_of(frame), "_run") or []
             key = tuple((f.f_code, f.f_lineno) for f in stack)
             del frame
             if key != self._key:

@@ -31,6 +31,8 @@ class NodeInfo:
     """Where the rank's unread output is left if its process dies."""
     niceness: int = 0
     """The actor process's nice value (Ray's worker_niceness sets it on each node)."""
+    door: str = ""
+    """The abstract Unix socket its node's first rank hands it calls on ("": none)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,19 @@ class RankSpec:
     ranks_on_node: int = 1
     """How many ranks of the job run on this rank's Ray node (they share its cores and
     read one copy of the payload's large buffers)."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A rank as its node's first rank reaches it, to hand it a call (see handoff)."""
+
+    rank: int
+    door: str
+    """Its Door's abstract socket name."""
+    pid: int
+    """Its process, which must hold the door."""
+    spec: bytes
+    """Its RankSpec, pickled."""
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,11 @@ import ray
 
 _OURS = str(Path(__file__).resolve().parent)
 _RAY = str(Path(ray.__file__).resolve().parent)
+_ACTOR = str(Path(__file__).resolve().with_name("actor.py"))
+"""The rank actor's module, whose `_run` calls the function (in whichever thread)."""
 
 
-def current_stacks(entry: str = "run") -> str:
+def current_stacks(entry: str = "_run") -> str:
     """Each user-visible thread's stack, innermost call last.
 
     The thread running the rank's function is shown from the function down (the
@@ -52,7 +54,7 @@ def frames_of(frame: FrameType | None) -> list[FrameType]:
 
 def after_entry(frames: list[FrameType], entry: str) -> list[FrameType] | None:
     for i, f in enumerate(frames):
-        if f.f_code.co_name == entry and f.f_code.co_filename.startswith(_OURS):
+        if f.f_code.co_name == entry and f.f_code.co_filename == _ACTOR:
             after = frames[i + 1 :]
             # A launched script runs under our runner and runpy: start at the user's code.
             start = 0

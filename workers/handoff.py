@@ -1,0 +1,227 @@
+"""A call's hand-off within a node: the node's first rank passes it to the others.
+
+The driver sends one Ray task per node, not one per rank. An actor task costs Ray about
+2 ms of CPU, shared between the caller and the actor; a rank handed its call over a
+local socket costs a few tens of microseconds. So a warm call's cost grows with nodes,
+not ranks, for the driver and for the cluster.
+
+Each rank listens on a Unix socket of its own (its `Door`). Its node's first rank (the
+`Hand`) connects to every door of the node, its own included, sends each rank the call,
+and gathers the outcomes. The sockets are abstract (no file to plant or remove), and
+each side checks the other's credentials with SO_PEERCRED before it reads anything:
+the door takes calls only from this user's processes, and the hand talks only to the
+rank's own process (its pid). Another user on the node can neither send a rank code
+nor read a call's arguments, even by taking a dead rank's socket name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+
+from orchestrator_workers.protocol import Peer
+
+SWITCH = "ORCHESTRATOR_HANDOFF"
+"""Set to 0 in the driver's environment to send every rank its own Ray task instead."""
+_CRED = struct.Struct("3i")
+"""struct ucred: pid, uid, gid."""
+_SLICE_S = 0.5
+"""How often a hand waiting for outcomes checks that its call is still the current one."""
+_JOIN_BYTES = 1 << 20
+"""Frames up to this size are sent in one write; larger parts one by one (no copy)."""
+
+Serve = Callable[[bytes, bytes, bytes], tuple[bool, bytes]]
+"""Runs a call: (pickled RankSpec, pickled CallSpec, payload) -> (failed, outcome)."""
+Outcomes = list[tuple[int, bytes | None]]
+"""(rank, its pickled RankResult or RankFailure); None where its socket closed first."""
+
+
+class Door:
+    """A rank's socket for its node's hand: calls in, outcomes out, one call at a time."""
+
+    def __init__(self, serve: Serve) -> None:
+        """Listen now, and `serve` each call that comes, in a thread of its own."""
+        self._serve = serve
+        self._last: tuple[bytes, bytes] = (b"", b"")
+        """The last call's id and outcome, for `outcome` (a hand that died cannot ask)."""
+        self._done = threading.Condition()
+        self.name = ""
+        """The abstract socket's name; "" where none could be opened (no hand-off)."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"orchestrator-{secrets.token_hex(12)}"
+        try:
+            listener.bind(f"\0{name}")
+            listener.listen(4)
+        except OSError:
+            listener.close()
+            return
+        self.name = name
+        threading.Thread(target=self._accept, args=(listener,), name="rank", daemon=True).start()
+
+    def outcome(self, call_id: bytes) -> bytes:
+        """The outcome of call `call_id`, once this rank has one."""
+        with self._done:
+            self._done.wait_for(lambda: self._last[0] == call_id)
+            return self._last[1]
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            conn, _ = listener.accept()
+            with conn, contextlib.suppress(OSError):
+                if credentials(conn)[1] == os.getuid():
+                    self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        while (frame := receive(conn, 4)) is not None:
+            call_id, spec, call, payload = frame
+            failed, outcome = self._serve(spec, call, payload)
+            with self._done:
+                self._last = (call_id, outcome)
+                self._done.notify_all()
+            send(conn, [call_id, b"\1" if failed else b"\0", outcome])
+
+
+class Hand:
+    """The node's first rank's side: a link to each rank's door, and the current call."""
+
+    def __init__(self) -> None:
+        """No links yet: each is made at the first call that needs it."""
+        self._links: dict[int, tuple[str, socket.socket]] = {}
+        self._lock = threading.Lock()
+        self._call = b""
+        self._pending: dict[int, socket.socket] = {}
+        self._done: Outcomes = []
+        self._failing = False
+
+    def start(self, call_id: bytes, peers: Sequence[Peer], call: bytes, payload: bytes) -> None:
+        """Send call `call_id` to each of `peers` (a rank it cannot reach is done, lost)."""
+        with self._lock:
+            self._call, self._pending, self._done, self._failing = call_id, {}, [], False
+            for peer in peers:
+                try:
+                    link = self._link(peer)
+                    send(link, [call_id, peer.spec, call, payload])
+                except OSError:
+                    self._lose(peer.rank)
+                else:
+                    self._pending[peer.rank] = link
+
+    def collect(self, call_id: bytes) -> tuple[Outcomes, tuple[int, ...]]:
+        """Outcomes not yet collected, and the ranks still running: once all are done, or
+        at once after a failure or a lost rank (the driver must hear of it now).
+
+        A call that another one replaced gets nothing more.
+        """
+        while True:
+            with self._lock:
+                if self._call != call_id:
+                    return [], ()
+                if self._done and (self._failing or not self._pending):
+                    done, self._done = self._done, []
+                    return done, tuple(self._pending)
+                links = list(self._pending.values())
+            ready, _, _ = select.select(links, [], [], _SLICE_S)
+            with self._lock:
+                for link in ready:
+                    self._read(link)
+
+    def _read(self, link: socket.socket) -> None:
+        """Take one reply from `link` (lock held); a closed link loses its rank."""
+        rank = next((r for r, s in self._pending.items() if s is link), None)
+        if rank is None:  # another thread took it meanwhile
+            return
+        try:
+            frame = receive(link, 3)
+        except OSError:
+            frame = None
+        if frame is None:
+            del self._pending[rank]
+            self._lose(rank)
+            return
+        call_id, failed, outcome = frame
+        if call_id == self._call:  # else a reply to a call that ended without it
+            del self._pending[rank]
+            self._done.append((rank, outcome))
+            self._failing = self._failing or failed == b"\1"
+
+    def _lose(self, rank: int) -> None:
+        link = self._links.pop(rank, None)
+        if link is not None:
+            link[1].close()
+        self._done.append((rank, None))
+        self._failing = True
+
+    def _link(self, peer: Peer) -> socket.socket:
+        """The link to `peer`'s door, made now where there is none to this door."""
+        have = self._links.get(peer.rank)
+        if have is not None and have[0] == peer.door:
+            return have[1]
+        if have is not None:
+            have[1].close()
+            del self._links[peer.rank]
+        link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            link.connect(f"\0{peer.door}")
+            pid, uid, _ = credentials(link)
+            if (pid, uid) != (peer.pid, os.getuid()):
+                raise OSError(f"rank {peer.rank}'s door is held by pid {pid}, uid {uid}")
+        except OSError:
+            link.close()
+            raise
+        self._links[peer.rank] = (peer.door, link)
+        return link
+
+
+def pack_peers(peers: Sequence[Peer]) -> bytes:
+    """A node's peers as the driver sends them with every call, pickled once per pool."""
+    return pickle.dumps(tuple(peers), pickle.HIGHEST_PROTOCOL)
+
+
+def credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """The pid, uid and gid of the process at the other end of a Unix socket."""
+    found = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+    pid, uid, gid = _CRED.unpack(found)
+    return pid, uid, gid
+
+
+def send(sock: socket.socket, parts: Sequence[bytes]) -> None:
+    """Write one frame: the parts' sizes, then the parts."""
+    header = struct.pack(f"<{len(parts)}Q", *(len(part) for part in parts))
+    if sum(len(part) for part in parts) <= _JOIN_BYTES:
+        sock.sendall(b"".join([header, *parts]))
+        return
+    sock.sendall(header)
+    for part in parts:
+        sock.sendall(part)
+
+
+def receive(sock: socket.socket, count: int) -> list[bytes] | None:
+    """Read one frame of `count` parts; None where the other end closed before one began."""
+    header = _exactly(sock, 8 * count)
+    if header is None:
+        return None
+    parts = []
+    for size in struct.unpack(f"<{count}Q", header):
+        part = _exactly(sock, size)
+        if part is None:
+            raise ConnectionResetError("the other end closed in the middle of a frame")
+        parts.append(part)
+    return parts
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 22))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
