@@ -405,7 +405,7 @@ class Call:
         """Take what `leader` collected from its node's ranks; ask again for the rest."""
         done, pending = pickle.loads(data)  # noqa: S301 - from our own rank actor
         for rank, outcome in done:
-            if outcome is None:  # its socket closed: Ray says why the rank is gone
+            if outcome is None:  # large, or its socket closed (then Ray says why it is gone)
                 self._ask(rank)
             else:
                 self._take(pickle.loads(outcome))  # noqa: S301 - from our own rank actor

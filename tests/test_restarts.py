@@ -18,8 +18,8 @@ from .conftest import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 from .helpers import cli, show, write
 
 
-def crash_once(folder: str, crash: bool = True) -> tuple[str, str, int, float]:
-    """Rank 3 kills its own process on attempt 0; every rank notes each attempt it saw."""
+def crash_once(folder: str, crash: str | None = "3") -> tuple[str, str, int, float]:
+    """Rank `crash` kills its own process on attempt 0; every rank notes each attempt it saw."""
     import torch
     import torch.distributed as dist
 
@@ -27,7 +27,7 @@ def crash_once(folder: str, crash: bool = True) -> tuple[str, str, int, float]:
     with open(Path(folder) / f"rank{rank}", "a") as seen:
         seen.write(f"{attempt} {os.environ['TORCHELASTIC_RESTART_COUNT']} {os.getpid()}\n")
     dist.init_process_group("gloo")
-    if crash and rank == "3" and attempt == "0":
+    if rank == crash and attempt == "0":
         os.kill(os.getpid(), signal.SIGKILL)
     total = torch.ones(1)
     dist.all_reduce(total)
@@ -35,9 +35,12 @@ def crash_once(folder: str, crash: bool = True) -> tuple[str, str, int, float]:
     return attempt, os.environ["NODE_RANK"], os.getpid(), total.item()
 
 
-def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd):
+@pytest.mark.parametrize("dead", ["3", "2"], ids=["a-node-s-second-rank", "a-node-s-first-rank"])
+def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd, dead):
+    """Rank 2 is the one its node's calls go through (see handoff): its death must not
+    take its node's other rank's outcome with it."""
     fn = distribute(crash_once, num_replicas=4, replicas_per_node=2, max_restarts=2, name="ft")
-    job = fn.submit(str(tmp_path))
+    job = fn.submit(str(tmp_path), dead)
     results = job.result(timeout=180)
     assert [(a, node, total) for a, node, _, total in results] == [
         ("1", "0", 4.0), ("1", "0", 4.0), ("1", "1", 4.0), ("1", "1", 4.0),
@@ -48,20 +51,22 @@ def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd):
         assert [line.rsplit(" ", 1)[0] for line in lines] == ["0 0", "1 1"]
         pids_seen[rank] = [int(line.rsplit(" ", 1)[1]) for line in lines]
     # Only the dead rank got a new process; the others kept theirs (torch already loaded).
-    assert pids_seen[3][0] != pids_seen[3][1]
-    assert all(pids_seen[rank][0] == pids_seen[rank][1] for rank in (0, 1, 2)), pids_seen
+    dead_rank = int(dead)
+    assert pids_seen[dead_rank][0] != pids_seen[dead_rank][1]
+    kept = [rank for rank in range(4) if rank != dead_rank]
+    assert all(pids_seen[rank][0] == pids_seen[rank][1] for rank in kept), pids_seen
     status = job.status()
     assert status.state == "finished" and status.restarts == 1
-    assert "rank 3" in status.failed_attempts[0] and "crashed" in status.failed_attempts[0]
-    log = job.logs(3)
+    assert f"rank {dead}" in status.failed_attempts[0] and "crashed" in status.failed_attempts[0]
+    log = job.logs(dead_rank)
     assert "--- attempt 2 (restart 1) ---\n" in log, log
     err = capfd.readouterr().err
-    assert "[ft] attempt 1 failed: rank 3 (local rank 1)" in err
+    assert f"[ft] attempt 1 failed: rank {dead} (local rank {dead_rank % 2})" in err
     assert "restarting all 4 ranks" in err
 
     # The pool of the successful attempt is the warm pool now: same processes, attempt 0.
     pids = [pid for _, _, pid, _ in results]
-    again = fn(str(tmp_path), False)
+    again = fn(str(tmp_path), None)
     assert [pid for _, _, pid, _ in again] == pids
     assert {a for a, _, _, _ in again} == {"0"}
     fn.shutdown()

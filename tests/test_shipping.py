@@ -181,6 +181,40 @@ def test_large_closure_travels_through_the_object_store(cluster):
         assert fn() == [expected, expected]  # the driver's tensor is untouched
 
 
+def test_a_small_call_reaches_a_node_s_ranks_through_its_first_rank(cluster):
+    """One Ray task per node (see handoff): each rank runs a small call in its door's
+    thread, named "rank"; a large payload goes to each rank in a Ray task of its own."""
+    padding = b"x" * (1 << 20)  # over the inline limit: through the object store
+
+    def thread() -> str:
+        return threading.current_thread().name
+
+    with distribute(thread, num_replicas=4, replicas_per_node=2) as fn:
+        assert fn() == ["rank"] * 4
+
+    def thread_with_padding() -> str:
+        assert len(padding) == 1 << 20
+        return threading.current_thread().name
+
+    with distribute(thread_with_padding, num_replicas=2, replicas_per_node=2) as fn:
+        assert "rank" not in fn()
+
+
+def test_large_results_and_small_ones_come_back_in_rank_order(cluster):
+    """A small call is handed to a node's ranks by its first rank (see handoff), which
+    brings their outcomes back; a large outcome is fetched from its own rank instead."""
+
+    def result(big_ranks: tuple[int, ...]) -> bytes:
+        rank = int(os.environ["RANK"])
+        return bytes([rank]) * ((3 << 20) if rank in big_ranks else 10)
+
+    with distribute(result, num_replicas=4, replicas_per_node=2) as fn:
+        for big in [(), (1,), (0, 2, 3)]:
+            values = fn(big)
+            assert [len(v) for v in values] == [(3 << 20) if r in big else 10 for r in range(4)]
+            assert [v[:1] for v in values] == [bytes([r]) for r in range(4)]
+
+
 def test_big_tensors_shared_per_node_until_written_and_snapshotted_at_submit(cluster):
     import torch
     import torch.distributed as dist

@@ -7,6 +7,7 @@ uid 65534 (nobody), which needs no account to be made.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,8 @@ import pytest
 from orchestrator import cluster, discovery, distribute, logs
 from orchestrator.errors import ConfigError
 from orchestrator.logs import Console
-from orchestrator_workers import private
-from orchestrator_workers.protocol import OutputChunk
+from orchestrator_workers import handoff, private
+from orchestrator_workers.protocol import OutputChunk, Peer
 
 OTHER = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
@@ -401,3 +402,102 @@ def test_the_rendezvous_store_listens_for_its_call_alone_on_the_ranks_interface(
         assert used == reserved
     finally:
         fn.shutdown()
+
+
+def _as_other_user(work: Callable[[], bytes]) -> bytes:
+    """What `work` returns, run in a forked child of uid 65534 (within 10 s)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls
+        try:
+            os.setgid(OTHER)
+            os.setuid(OTHER)
+            os.write(write, work())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as answer:
+            return answer.read()
+    finally:
+        os.waitpid(pid, 0)
+
+
+def _served() -> tuple[handoff.Door, list[bytes]]:
+    """A door in this process that notes each call it runs, and answers it."""
+    calls: list[bytes] = []
+
+    def serve(spec: bytes, call: bytes, payload: bytes) -> tuple[bool, bytes]:
+        calls.append(payload)
+        return False, b"outcome of " + payload
+
+    return handoff.Door(serve), calls
+
+
+@as_root
+def test_a_rank_takes_calls_from_its_own_user_alone() -> None:
+    """A rank's door (see handoff) runs what comes through it: another user who connects
+    is cut off before anything is read; the rank's own user is served."""
+    door, calls = _served()
+    assert door.name
+
+    def intrude() -> bytes:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(f"\0{door.name}")
+            with contextlib.suppress(OSError):  # cut off: writing may fail too
+                handoff.send(sock, [b"call", b"spec", b"args", b"code"])
+            try:
+                return b"answered" if sock.recv(1) else b"cut off"
+            except OSError as exc:
+                return f"cut off ({exc})".encode()
+
+    assert _as_other_user(intrude).startswith(b"cut off")
+    assert calls == []
+    hand = handoff.Hand()
+    me = Peer(rank=5, door=door.name, pid=os.getpid(), spec=b"spec")
+    hand.start(b"call-1", [me], b"call", b"code")
+    assert hand.collect(b"call-1") == ([(5, b"outcome of code")], ())
+    assert calls == [b"code"]
+
+
+@as_root
+def test_a_call_goes_to_no_door_but_the_rank_s_own_process() -> None:
+    """The hand checks who holds a door before it sends a call (its arguments may be
+    secret): not another process of this user, and not another user who took a dead
+    rank's socket name. The rank counts as lost instead."""
+    door, calls = _served()
+    hand = handoff.Hand()
+    elsewhere = Peer(rank=1, door=door.name, pid=os.getpid() + 1, spec=b"")
+    hand.start(b"call-1", [elsewhere], b"call", b"secret")
+    assert hand.collect(b"call-1") == ([(1, None)], ())
+    assert calls == []
+
+    read, write = os.pipe()
+    name = f"orchestrator-squatted-{os.getpid()}"
+    pid = os.fork()
+    if pid == 0:  # the child: takes the name, then tells what it was sent
+        try:
+            os.setgid(OTHER)
+            os.setuid(OTHER)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(f"\0{name}")
+            listener.listen(1)
+            os.write(write, b"listening\n")
+            conn, _ = listener.accept()
+            conn.settimeout(5)
+            try:
+                got = conn.recv(1 << 16)
+            except OSError:
+                got = b""
+            os.write(write, got or b"nothing")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as told:
+        assert told.readline() == b"listening\n"
+        squatter = Peer(rank=2, door=name, pid=pid, spec=b"")
+        hand.start(b"call-2", [squatter], b"call", b"secret")
+        assert hand.collect(b"call-2") == ([(2, None)], ())
+        assert told.read() == b"nothing"
+    os.waitpid(pid, 0)

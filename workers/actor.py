@@ -209,12 +209,15 @@ class RankActor:
         self, packed_spec: bytes, packed_call: bytes, payload: bytes | Payload
     ) -> tuple[bool, bytes]:
         """`run`'s work, wherever the call came from: (whether it failed, the outcome)."""
-        call: CallSpec = pickle.loads(packed_call)  # noqa: S301 - our driver's
-        base = self._spec
-        if base is None or packed_spec != self._packed_spec:  # the same while the pool lives
-            base = self._spec = pickle.loads(packed_spec)  # noqa: S301 - our driver's
-            self._packed_spec = packed_spec
-        spec = _for_call(base, call, share_key=f"{call.share_key}-{self._node_id[:16]}")
+        try:
+            call: CallSpec = pickle.loads(packed_call)  # noqa: S301 - our driver's
+            base = self._spec
+            if base is None or packed_spec != self._packed_spec:  # the same while the pool lives
+                base = self._spec = pickle.loads(packed_spec)  # noqa: S301 - our driver's
+                self._packed_spec = packed_spec
+            spec = _for_call(base, call, share_key=f"{call.share_key}-{self._node_id[:16]}")
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
+            return True, cloudpickle.dumps(self._failure(exc, time.time(), setup=True))
         outcome = self._run(spec, payload, watched=call.watched)
         try:
             return isinstance(outcome, RankFailure), cloudpickle.dumps(outcome)

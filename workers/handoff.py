@@ -36,11 +36,15 @@ _SLICE_S = 0.5
 """How often a hand waiting for outcomes checks that its call is still the current one."""
 _JOIN_BYTES = 1 << 20
 """Frames up to this size are sent in one write; larger parts one by one (no copy)."""
+_LARGE = 1 << 20
+"""An outcome over this size stays with its rank until the driver asks for it: the
+first rank would hold every large one of its node in memory, then copy them again."""
 
 Serve = Callable[[bytes, bytes, bytes], tuple[bool, bytes]]
 """Runs a call: (pickled RankSpec, pickled CallSpec, payload) -> (failed, outcome)."""
 Outcomes = list[tuple[int, bytes | None]]
-"""(rank, its pickled RankResult or RankFailure); None where its socket closed first."""
+"""(rank, its pickled RankResult or RankFailure); None where the driver must ask the
+rank's actor for it: its socket closed first (Ray will say why), or it is large."""
 
 
 class Door:
@@ -66,15 +70,16 @@ class Door:
         threading.Thread(target=self._accept, args=(listener,), name="rank", daemon=True).start()
 
     def outcome(self, call_id: bytes) -> bytes:
-        """The outcome of call `call_id`, once this rank has one."""
+        """The outcome of call `call_id`, once this rank has one; asked once (it is let go)."""
         with self._done:
             self._done.wait_for(lambda: self._last[0] == call_id)
-            return self._last[1]
+            outcome, self._last = self._last[1], (call_id, b"")
+            return outcome
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
             conn, _ = listener.accept()
-            with conn, contextlib.suppress(OSError):
+            with conn, contextlib.suppress(Exception):  # that link ends; the door stays open
                 if credentials(conn)[1] == os.getuid():
                     self._answer(conn)
 
@@ -85,7 +90,8 @@ class Door:
             with self._done:
                 self._last = (call_id, outcome)
                 self._done.notify_all()
-            send(conn, [call_id, b"\1" if failed else b"\0", outcome])
+            sent = b"" if len(outcome) > _LARGE else outcome  # b"": ask me for it
+            send(conn, [call_id, b"\1" if failed else b"\0", sent])
 
 
 class Hand:
@@ -148,7 +154,7 @@ class Hand:
         call_id, failed, outcome = frame
         if call_id == self._call:  # else a reply to a call that ended without it
             del self._pending[rank]
-            self._done.append((rank, outcome))
+            self._done.append((rank, outcome or None))
             self._failing = self._failing or failed == b"\1"
 
     def _lose(self, rank: int) -> None:
