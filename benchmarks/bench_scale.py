@@ -7,7 +7,9 @@ For each size a `ray.cluster_utils.Cluster` runs N/8 nodes of 8 CPUs (and a smal
 store) on this machine. In it, fresh driver processes take turns, ours and the floor's:
 
 - ours: `distribute(job, num_replicas=N, replicas_per_node=8, cpus_per_replica=1,
-  gpus_per_replica=0, log_dir=False)`;
+  gpus_per_replica=0, log_dir=False)`: one Ray task per node, whose first rank hands the
+  call to the node's ranks (orchestrator_workers.handoff);
+- ours without the hand-off (`ORCHESTRATOR_HANDOFF=0`, `--direct`): one Ray task per rank;
 - the floor: N plain Ray actors in a placement group of the same shape, called with
   `ray.get` over all of them (the function pickled once per call); in gloo mode each gets
   the torchrun variables (rank 0 picks the port) and runs the same function.
@@ -208,7 +210,8 @@ class Run:
     """What one driver process measures."""
 
     kind: str
-    """"ours", "floor" or "fanout" (the floor with a per-node fan-out)."""
+    """"ours", "direct" (ours, one Ray task per rank), "floor" or "fanout" (the floor
+    with a per-node fan-out)."""
     address: str
     ranks: int
     mode: str
@@ -222,6 +225,7 @@ class Run:
             sys.executable, "-m", "benchmarks.bench_scale", "--driver", self.kind,
             "--address", self.address, "--ranks", str(self.ranks), "--mode", self.mode,
             "--calls", str(self.calls), "--print-s", str(self.print_s),
+            "--per-node", str(PER_NODE),
         ]
 
 
@@ -234,10 +238,15 @@ def drive(run: Run) -> dict:
     import ray
 
     job = JOBS[mode]
-    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=kind != "ours")
+    ours = kind in ("ours", "direct")
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=not ours)
     started = time.perf_counter()
-    if kind == "ours":
+    if ours:
         from orchestrator import distribute
+        from orchestrator_workers import handoff
+
+        if kind == "direct":
+            os.environ[handoff.SWITCH] = "0"
 
         fn = distribute(
             job,
@@ -265,12 +274,12 @@ def drive(run: Run) -> dict:
         call(0)
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    pids = fn.pids() if kind == "ours" else floor.pids()
+    pids = fn.pids() if ours else floor.pids()
     rank_pss = [_pss_mb(pid, with_children=True) for pid in pids]
     steps = int(print_s * PRINT_HZ)
     cpu, wall = time.process_time(), time.perf_counter()
     call(steps)
-    if kind != "ours":
+    if not ours:
         time.sleep(1.0)  # Ray's log monitor forwards lines up to a moment later
     print_wall = time.perf_counter() - wall
     print_cpu = time.process_time() - cpu
@@ -285,7 +294,7 @@ def drive(run: Run) -> dict:
         "print_cpu_frac": print_cpu / print_wall,
         "print_lines_expected": steps * ranks,
     }
-    if kind == "ours":
+    if ours:
         fn.shutdown()
     else:
         floor.shutdown()
@@ -333,6 +342,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30, help="warm calls per driver")
     parser.add_argument("--quick", action="store_true", help="few calls, one driver each")
     parser.add_argument("--print-s", type=float, default=3.0, help="seconds of printing")
+    parser.add_argument("--per-node", type=int, default=8, help="ranks per node")
+    parser.add_argument("--direct", action="store_true",
+                        help="also ours with one Ray task per rank (ORCHESTRATOR_HANDOFF=0)")
     parser.add_argument("--no-fan-out", dest="fan_out", action="store_false",
                         help="skip Ray's floor with a per-node fan-out")
     parser.add_argument("--driver", help=argparse.SUPPRESS)
@@ -340,6 +352,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global PER_NODE  # noqa: PLW0603 - the drivers' processes get it on their command line
+    PER_NODE = args.per_node
     if args.driver:
         run = Run(args.driver, args.address, args.ranks, args.mode, args.calls, args.print_s)
         measured = drive(run)
@@ -367,6 +381,10 @@ def main() -> None:
                               file=sys.stderr, flush=True)
                         run = Run(kind, cluster.address, size, mode, calls, args.print_s)
                         found[kind].append(_run_driver(run))
+                if mode == "rank" and args.direct:
+                    print(f"[bench] {size} ranks, {mode}, direct", file=sys.stderr, flush=True)
+                    run = Run("direct", cluster.address, size, mode, calls, args.print_s)
+                    found["direct"] = [_run_driver(run)]
                 if mode == "rank" and args.fan_out:
                     print(f"[bench] {size} ranks, {mode}, fanout", file=sys.stderr, flush=True)
                     run = Run("fanout", cluster.address, size, mode, calls, args.print_s)
@@ -417,10 +435,21 @@ def _report(rows: list[dict], took: float) -> None:
             f"{ours['uss']:.0f}/{floor['uss']:.0f}", f"{ours['pss']:.0f}/{floor['pss']:.0f}",
             f"{ours['print']:.0%}/{floor['print']:.0%}", f"{ours['lines']} / {floor['lines']}",
         ]))
+    direct = [(row, _merge(row["direct"])) for row in rows if row.get("direct")]
+    if direct:
+        print("\nOurs with one Ray task per rank (ORCHESTRATOR_HANDOFF=0), rank-only job:")
+        print("ranks | nodes | warm med direct / hand-off / floor | drv CPU/call direct / "
+              "hand-off / floor")
+        for row, alone in direct:
+            ours, floor = _merge(row["ours"]), _merge(row["floor"])
+            print(f"{row['size']} | {row['size'] // PER_NODE} | {alone['warm'] * 1e3:.1f} / "
+                  f"{ours['warm'] * 1e3:.1f} / {floor['warm'] * 1e3:.1f} ms | "
+                  f"{alone['cpu'] * 1e3:.1f} / {ours['cpu'] * 1e3:.1f} / "
+                  f"{floor['cpu'] * 1e3:.1f} ms")
     fanned = [(row, _merge(row["fanout"])) for row in rows if row.get("fanout")]
     if fanned:
         print("\nRay's floor with a per-node fan-out (the driver calls one actor per node, "
-              "which calls that node's 8 ranks), rank-only job:")
+              f"which calls that node's {PER_NODE} ranks), rank-only job:")
         print("ranks | nodes | warm med fan-out / direct floor | drv CPU/call fan-out / direct")
         for row, fan in fanned:
             direct = _merge(row["floor"])

@@ -129,11 +129,14 @@ class Hand:
             with self._lock:
                 if self._call != call_id:
                     return [], ()
-                if self._done and (self._failing or not self._pending):
+                if (self._done and self._failing) or not self._pending:
                     done, self._done = self._done, []
                     return done, tuple(self._pending)
                 links = list(self._pending.values())
-            ready, _, _ = select.select(links, [], [], _SLICE_S)
+            try:
+                ready, _, _ = select.select(links, [], [], _SLICE_S)
+            except (OSError, ValueError):  # a link closed meanwhile (a rank lost): look again
+                continue
             with self._lock:
                 for link in ready:
                     self._read(link)

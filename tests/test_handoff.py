@@ -1,0 +1,82 @@
+"""A node's hand-off (orchestrator_workers.handoff), on real sockets in this process: when
+the first rank reports its node's outcomes, and what it does with late or lost ones."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from orchestrator_workers import handoff
+from orchestrator_workers.protocol import Peer
+
+
+class Rank:
+    """A door whose calls wait for `release`, then fail or not as the payload says."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.release = threading.Event()
+        self.calls = 0
+        self.door = handoff.Door(self._serve)
+
+    def _serve(self, spec: bytes, call: bytes, payload: bytes) -> tuple[bool, bytes]:
+        self.calls += 1
+        self.release.wait(30)
+        return payload == b"fail", b"r%d:%s" % (self.rank, payload)
+
+    def peer(self) -> Peer:
+        return Peer(rank=self.rank, door=self.door.name, pid=os.getpid(), spec=b"")
+
+
+def test_a_failure_is_reported_at_once_and_the_others_when_done() -> None:
+    a, b = Rank(2), Rank(3)
+    hand = handoff.Hand()
+    hand.start(b"c2", [a.peer(), b.peer()], b"", b"fail")
+    a.release.set()  # rank 3 still runs: the failure comes first, alone
+    assert hand.collect(b"c2") == ([(2, b"r2:fail")], (3,))
+    b.release.set()
+    assert hand.collect(b"c2") == ([(3, b"r3:fail")], ())
+
+
+def test_successes_come_together_once_all_are_done() -> None:
+    a, b = Rank(0), Rank(1)
+    hand = handoff.Hand()
+    hand.start(b"c1", [a.peer(), b.peer()], b"", b"ok")
+    a.release.set()
+    found: list[object] = []
+    collecting = threading.Thread(target=lambda: found.append(hand.collect(b"c1")))
+    collecting.start()
+    collecting.join(1.0)
+    assert collecting.is_alive() and not found  # rank 1 still runs
+    b.release.set()
+    collecting.join(10)
+    assert found == [([(0, b"r0:ok"), (1, b"r1:ok")], ())]
+
+
+def test_a_call_replaced_by_the_next_gets_nothing_and_late_replies_are_dropped() -> None:
+    """A call that failed elsewhere leaves a rank running; its late reply must not pass
+    for the next call's."""
+    stuck, other = Rank(0), Rank(1)
+    hand = handoff.Hand()
+    hand.start(b"old", [stuck.peer(), other.peer()], b"", b"first")
+    old: list[object] = []
+    collecting = threading.Thread(target=lambda: old.append(hand.collect(b"old")))
+    collecting.start()
+    hand.start(b"new", [other.peer()], b"", b"second")
+    collecting.join(5)
+    assert old == [([], ())]
+    other.release.set()  # it answers the old call first, then the new one
+    assert hand.collect(b"new") == ([(1, b"r1:second")], ())
+    assert other.calls == 2
+    stuck.release.set()
+
+
+def test_a_rank_that_cannot_be_reached_is_lost_and_its_outcome_can_be_asked_for() -> None:
+    alive = Rank(0)
+    hand = handoff.Hand()
+    gone = Peer(rank=1, door="orchestrator-nobody-listens-here", pid=os.getpid(), spec=b"")
+    alive.release.set()
+    hand.start(b"c1", [alive.peer(), gone], b"", b"ok")
+    done, _ = hand.collect(b"c1")
+    assert (1, None) in done  # lost: the driver asks rank 1's actor (Ray says it is gone)
+    assert alive.door.outcome(b"c1") == b"r0:ok"  # what a rank keeps, for that question
