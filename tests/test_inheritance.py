@@ -78,7 +78,7 @@ def test_a_rank_inherits_what_a_torchrun_worker_does(fresh_env):
                 name for name, how in worker["signals"].items() if mine["signals"][name] != how
             }
             assert differ <= set(RANK_ONLY), (differ, mine["signals"], worker["signals"])
-            assert worker["main_thread"] and not mine["main_thread"]  # docs/ranks.md: Ray's thread
+            assert worker["main_thread"] and not mine["main_thread"]  # docs/ranks.md: the door
             # What a process forked from each gets.
             child, their_child = mine["forked"], worker["forked"]
             assert child["niceness"] == their_child["niceness"]
