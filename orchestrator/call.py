@@ -59,8 +59,8 @@ class Awaited:
 
     ranks: tuple[int, ...]
     leader: int | None = None
-    """The rank whose actor handed the call to its node's `ranks` (see handoff); None
-    for a rank's own task."""
+    """The rank whose actor handed the call to `ranks` (rank 0, see handoff); None for
+    a rank's own task."""
 
 
 class Call:
@@ -119,18 +119,8 @@ class Call:
         )
         packed_call = pickle.dumps(call, pickle.HIGHEST_PROTOCOL)
         self.call_id = self.share_key.encode()
-        self.runs: dict[ray.ObjectRef, Awaited] = {}
-        """The Ray tasks in flight that bring ranks' outcomes: one per node (a small
-        payload, handed off within each node), else one per rank."""
-        if pool.handoff and isinstance(shipped.data, bytes):
-            for node in pool.nodes:
-                leader = pool.actors[node.ranks[0]]
-                ref = leader.run_node.remote(self.call_id, packed_call, shipped.data, node.peers)
-                self.runs[ref] = Awaited(node.ranks, node.ranks[0])
-        else:  # a large payload is read from the object store by each rank, in place
-            specs = zip(pool.actors, pool.packed_specs, strict=True)
-            for rank, (actor, packed) in enumerate(specs):
-                self.runs[actor.run.remote(packed, packed_call, shipped.data)] = Awaited((rank,))
+        self.runs = self._start(packed_call, shipped.data)
+        """The Ray tasks in flight that bring ranks' outcomes, and whose."""
         self.dead: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         """Statuses ranks passed to os._exit, as they reported them just before."""
@@ -167,6 +157,22 @@ class Call:
             self._states,
             lambda: self.notice,
         )
+
+    def _start(self, packed_call: bytes, data: bytes | ray.ObjectRef) -> dict[Any, Awaited]:
+        """Start the call on every rank: one Ray task to rank 0, which hands it to all the
+        others (see handoff), for a small payload; else one Ray task per rank, each of
+        which reads the payload from the object store in place."""
+        pool = self.pool
+        if pool.handoff and isinstance(data, bytes):
+            first = pool.nodes[0]
+            root = pool.actors[first.ranks[0]]
+            ref = root.run_node.remote(self.call_id, packed_call, data, first.peers, pool.others)
+            return {ref: Awaited(tuple(range(len(pool.actors))), first.ranks[0])}
+        specs = zip(pool.actors, pool.packed_specs, strict=True)
+        return {
+            actor.run.remote(packed, packed_call, data): Awaited((rank,))
+            for rank, (actor, packed) in enumerate(specs)
+        }
 
     def wait(self) -> list[Any]:
         """Watch every rank until all are done or one failed; results by rank.
@@ -402,8 +408,8 @@ class Call:
                 self._take_node(awaited.leader, data)
 
     def _take_node(self, leader: int, data: bytes) -> None:
-        """Take what `leader` collected from its node's ranks; ask again for the rest."""
-        done, pending = pickle.loads(data)  # noqa: S301 - from our own rank actor
+        """Take what `leader` collected from the ranks; ask again for the rest."""
+        done, pending, _ = pickle.loads(data)  # noqa: S301 - from our own rank actor
         for rank, outcome in done:
             if outcome is None:  # large, or its socket closed (then Ray says why it is gone)
                 self._ask(rank)
@@ -415,7 +421,7 @@ class Call:
 
     def _lost(self, awaited: Awaited, exc: RayActorError) -> None:
         """The actor that was to bring `awaited`'s outcomes is gone: its rank crashed; the
-        node's other ranks (whose call it handed off) are asked for theirs directly."""
+        other ranks (whose call it handed off) are asked for theirs directly."""
         gone = awaited.ranks[0] if awaited.leader is None else awaited.leader
         if gone in awaited.ranks:
             self._take(self._crash(gone, exc))

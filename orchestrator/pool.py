@@ -25,7 +25,7 @@ from orchestrator.states import State
 from orchestrator_workers import environment, handoff
 from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
 from orchestrator_workers.environment import order_devices
-from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec
+from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec, RemoteNode
 
 _RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)  # type: ignore[call-overload]  # Ray's stubs omit this documented option
 _WAIT_NOTICE_S = 1.0
@@ -101,7 +101,10 @@ class Pool:
         self.packed_specs: list[bytes] = []
         """`specs`, pickled once for every call."""
         self.nodes: list[Node] = []
-        """The ranks by node, for calls handed off within each node."""
+        """The ranks by node, for calls handed off (the first rank 0's)."""
+        self.others: list[ray.ObjectRef] = []
+        """The nodes after the first, as RemoteNodes in the object store: rank 0 hands
+        each call to them (none: one node)."""
         self.handoff = False
         """Whether a call with a small payload goes to each node's first rank, which hands
         it to the others (else one Ray task per rank)."""
@@ -268,6 +271,8 @@ class Pool:
             Node(tuple(ranks), handoff.pack_peers([self._peer(rank) for rank in ranks]))
             for ranks in by_node.values()
         ]
+        others = [RemoteNode(self.actors[n.ranks[0]], n.ranks, n.peers) for n in self.nodes[1:]]
+        self.others = [ray.put(others)] if others else []
         self.handoff = os.environ.get(handoff.SWITCH, "1") != "0" and all(
             info.door for info in self.infos
         )

@@ -33,9 +33,9 @@ def test_a_failure_is_reported_at_once_and_the_others_when_done() -> None:
     hand = handoff.Hand()
     hand.start(b"c2", [a.peer(), b.peer()], b"", b"fail")
     a.release.set()  # rank 3 still runs: the failure comes first, alone
-    assert hand.collect(b"c2") == ([(2, b"r2:fail")], (3,))
+    assert hand.collect(b"c2") == ([(2, b"r2:fail")], (3,), True)
     b.release.set()
-    assert hand.collect(b"c2") == ([(3, b"r3:fail")], ())
+    assert hand.collect(b"c2") == ([(3, b"r3:fail")], (), True)
 
 
 def test_successes_come_together_once_all_are_done() -> None:
@@ -50,7 +50,7 @@ def test_successes_come_together_once_all_are_done() -> None:
     assert collecting.is_alive() and not found  # rank 1 still runs
     b.release.set()
     collecting.join(10)
-    assert found == [([(0, b"r0:ok"), (1, b"r1:ok")], ())]
+    assert found == [([(0, b"r0:ok"), (1, b"r1:ok")], (), False)]
 
 
 def test_a_call_replaced_by_the_next_gets_nothing_and_late_replies_are_dropped() -> None:
@@ -64,9 +64,9 @@ def test_a_call_replaced_by_the_next_gets_nothing_and_late_replies_are_dropped()
     collecting.start()
     hand.start(b"new", [other.peer()], b"", b"second")
     collecting.join(5)
-    assert old == [([], ())]
+    assert old == [([], (), False)]
     other.release.set()  # it answers the old call first, then the new one
-    assert hand.collect(b"new") == ([(1, b"r1:second")], ())
+    assert hand.collect(b"new") == ([(1, b"r1:second")], (), False)
     assert other.calls == 2
     stuck.release.set()
 
@@ -77,6 +77,7 @@ def test_a_rank_that_cannot_be_reached_is_lost_and_its_outcome_can_be_asked_for(
     gone = Peer(rank=1, door="orchestrator-nobody-listens-here", pid=os.getpid(), spec=b"")
     alive.release.set()
     hand.start(b"c1", [alive.peer(), gone], b"", b"ok")
-    done, _ = hand.collect(b"c1")
+    done, _, failing = hand.collect(b"c1")
+    assert failing
     assert (1, None) in done  # lost: the driver asks rank 1's actor (Ray says it is gone)
     assert alive.door.outcome(b"c1") == b"r0:ok"  # what a rank keeps, for that question

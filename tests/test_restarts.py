@@ -35,10 +35,13 @@ def crash_once(folder: str, crash: str | None = "3") -> tuple[str, str, int, flo
     return attempt, os.environ["NODE_RANK"], os.getpid(), total.item()
 
 
-@pytest.mark.parametrize("dead", ["3", "2"], ids=["a-node-s-second-rank", "a-node-s-first-rank"])
+@pytest.mark.parametrize(
+    "dead", ["3", "2", "0"], ids=["a-node-s-second-rank", "a-node-s-first-rank", "rank-0"]
+)
 def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd, dead):
-    """Rank 2 is the one its node's calls go through (see handoff): its death must not
-    take its node's other rank's outcome with it."""
+    """Calls go through rank 0, which hands them to each node's first rank (rank 2 on
+    the second node), which hands them to its node's ranks (see handoff): the death of
+    either must not take the other ranks' outcomes with it."""
     fn = distribute(crash_once, num_replicas=4, replicas_per_node=2, max_restarts=2, name="ft")
     job = fn.submit(str(tmp_path), dead)
     results = job.result(timeout=180)

@@ -457,7 +457,7 @@ def test_a_rank_takes_calls_from_its_own_user_alone() -> None:
     hand = handoff.Hand()
     me = Peer(rank=5, door=door.name, pid=os.getpid(), spec=b"spec")
     hand.start(b"call-1", [me], b"call", b"code")
-    assert hand.collect(b"call-1") == ([(5, b"outcome of code")], ())
+    assert hand.collect(b"call-1") == ([(5, b"outcome of code")], (), False)
     assert calls == [b"code"]
 
 
@@ -470,7 +470,7 @@ def test_a_call_goes_to_no_door_but_the_rank_s_own_process() -> None:
     hand = handoff.Hand()
     elsewhere = Peer(rank=1, door=door.name, pid=os.getpid() + 1, spec=b"")
     hand.start(b"call-1", [elsewhere], b"call", b"secret")
-    assert hand.collect(b"call-1") == ([(1, None)], ())
+    assert hand.collect(b"call-1") == ([(1, None)], (), True)
     assert calls == []
 
     read, write = os.pipe()
@@ -498,6 +498,6 @@ def test_a_call_goes_to_no_door_but_the_rank_s_own_process() -> None:
         assert told.readline() == b"listening\n"
         squatter = Peer(rank=2, door=name, pid=pid, spec=b"")
         hand.start(b"call-2", [squatter], b"call", b"secret")
-        assert hand.collect(b"call-2") == ([(2, None)], ())
+        assert hand.collect(b"call-2") == ([(2, None)], (), True)
         assert told.read() == b"nothing"
     os.waitpid(pid, 0)

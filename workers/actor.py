@@ -38,6 +38,7 @@ from orchestrator_workers.protocol import (
     RankFailure,
     RankResult,
     RankSpec,
+    RemoteNode,
 )
 from orchestrator_workers.store import StoreServer, reserve_port
 
@@ -84,6 +85,9 @@ class RankActor:
         self._hand = handoff.Hand()
         self._packed_peers = b""
         self._peers: tuple[Peer, ...] = ()
+        self._others: ray.ObjectRef | None = None
+        self._nodes: list[RemoteNode] = []
+        """As the job's first rank: the other nodes, as the driver last put them."""
         self._importing: threading.Thread | None = None
         if preload_torch:
             self._importing = threading.Thread(
@@ -174,19 +178,33 @@ class RankActor:
             self._store = StoreServer(reserved)
 
     @ray.method(concurrency_group="node")
-    def run_node(self, call_id: bytes, packed_call: bytes, payload: bytes, peers: bytes) -> bytes:
+    def run_node(
+        self,
+        call_id: bytes,
+        packed_call: bytes,
+        payload: bytes,
+        peers: bytes,
+        others: list[ray.ObjectRef],
+    ) -> bytes:
         """As its node's first rank: hand call `call_id` to every rank of the node (pickled
-        Peers, this rank among them); return the first outcomes, pickled (see `collect`)."""
+        Peers, this rank among them); as the job's first, also to every other node's first
+        rank (`others`: a list of RemoteNodes in the object store, or none). Return the
+        first outcomes, pickled (see `collect`)."""
         if peers != self._packed_peers:  # the same while the pool lives
             self._peers = pickle.loads(peers)  # noqa: S301 - our driver's
             self._packed_peers = peers
-        self._hand.start(call_id, self._peers, packed_call, payload)
+        if others and others[0] != self._others:
+            self._nodes = ray.get(others[0])
+            self._others = others[0]
+        nodes = self._nodes if others else ()
+        self._hand.start(call_id, self._peers, packed_call, payload, nodes)
         return pickle.dumps(self._hand.collect(call_id), pickle.HIGHEST_PROTOCOL)
 
     @ray.method(concurrency_group="node")
     def collect(self, call_id: bytes) -> bytes:
-        """As its node's first rank: the outcomes of call `call_id` not yet collected, and
-        the ranks still running, pickled; once all are done, or at once after a failure."""
+        """As a node's first rank: the outcomes of call `call_id` not yet collected, the
+        ranks still running, and whether one failed, pickled; once all are done, or at
+        once after a failure."""
         return pickle.dumps(self._hand.collect(call_id), pickle.HIGHEST_PROTOCOL)
 
     @ray.method(concurrency_group="node")

@@ -1,13 +1,15 @@
-"""A call's hand-off within a node: the node's first rank passes it to the others.
+"""A call's hand-off: the first rank of the job passes it to the other nodes' first ranks,
+and each node's first rank to the ranks of its node.
 
-The driver sends one Ray task per node, not one per rank. An actor task costs Ray about
+The driver sends one Ray task per call, not one per rank. An actor task costs Ray about
 2 ms of CPU, shared between the caller and the actor; a rank handed its call over a
-local socket costs a few tens of microseconds. So a warm call's cost grows with nodes,
-not ranks, for the driver and for the cluster.
+local socket costs a few tens of microseconds. So a warm call costs the driver the same
+at any size, and the cluster one Ray task per node.
 
 Each rank listens on a Unix socket of its own (its `Door`). Its node's first rank (the
 `Hand`) connects to every door of the node, its own included, sends each rank the call,
-and gathers the outcomes. The sockets are abstract (no file to plant or remove), and
+and gathers the outcomes; the job's first rank also calls every other node's hand (a
+Ray task each) and gathers theirs. The sockets are abstract (no file to plant or remove), and
 each side checks the other's credentials with SO_PEERCRED before it reads anything:
 the door takes calls only from this user's processes, and the hand talks only to the
 rank's own process (its pid). Another user on the node can neither send a rank code
@@ -26,7 +28,9 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 
-from orchestrator_workers.protocol import Peer
+import ray
+
+from orchestrator_workers.protocol import Peer, RemoteNode
 
 SWITCH = "ORCHESTRATOR_HANDOFF"
 """Set to 0 in the driver's environment to send every rank its own Ray task instead."""
@@ -44,7 +48,10 @@ Serve = Callable[[bytes, bytes, bytes], tuple[bool, bytes]]
 """Runs a call: (pickled RankSpec, pickled CallSpec, payload) -> (failed, outcome)."""
 Outcomes = list[tuple[int, bytes | None]]
 """(rank, its pickled RankResult or RankFailure); None where the driver must ask the
-rank's actor for it: its socket closed first (Ray will say why), or it is large."""
+rank's actor for it: its socket closed first (Ray will say why), its node's hand is gone,
+or it is large."""
+Collected = tuple[Outcomes, tuple[int, ...], bool]
+"""Outcomes, the ranks still running, and whether one failed or was lost."""
 
 
 class Door:
@@ -95,7 +102,7 @@ class Door:
 
 
 class Hand:
-    """The node's first rank's side: a link to each rank's door, and the current call."""
+    """A node's first rank's side: a link to each rank's door, and the current call."""
 
     def __init__(self) -> None:
         """No links yet: each is made at the first call that needs it."""
@@ -103,13 +110,29 @@ class Hand:
         self._lock = threading.Lock()
         self._call = b""
         self._pending: dict[int, socket.socket] = {}
+        self._away: set[int] = set()
+        """Ranks of other nodes whose outcomes their hands have not brought yet."""
         self._done: Outcomes = []
         self._failing = False
+        self._wake, self._woken = socket.socketpair()
+        """Written when another node's outcomes came: a collect waiting on the links wakes."""
 
-    def start(self, call_id: bytes, peers: Sequence[Peer], call: bytes, payload: bytes) -> None:
-        """Send call `call_id` to each of `peers` (a rank it cannot reach is done, lost)."""
+    def start(
+        self,
+        call_id: bytes,
+        peers: Sequence[Peer],
+        call: bytes,
+        payload: bytes,
+        nodes: Sequence[RemoteNode] = (),
+    ) -> None:
+        """Send call `call_id` to each of `peers` (a rank it cannot reach is done, lost),
+        and to the hand of each of `nodes`, which gathers its own node's."""
         with self._lock:
             self._call, self._pending, self._done, self._failing = call_id, {}, [], False
+            self._away = {rank for node in nodes for rank in node.ranks}
+            if nodes:  # first: theirs take a Ray task each, ours a moment
+                args = (call_id, call, payload)
+                threading.Thread(target=self._follow, args=(*args, nodes), daemon=True).start()
             for peer in peers:
                 try:
                     link = self._link(peer)
@@ -119,27 +142,66 @@ class Hand:
                 else:
                     self._pending[peer.rank] = link
 
-    def collect(self, call_id: bytes) -> tuple[Outcomes, tuple[int, ...]]:
-        """Outcomes not yet collected, and the ranks still running: once all are done, or
-        at once after a failure or a lost rank (the driver must hear of it now).
+    def collect(self, call_id: bytes) -> Collected:
+        """Outcomes not yet collected, the ranks still running, and whether one failed:
+        once all are done, or at once after a failure or a lost rank (the driver must
+        hear of it now).
 
         A call that another one replaced gets nothing more.
         """
         while True:
             with self._lock:
                 if self._call != call_id:
-                    return [], ()
-                if (self._done and self._failing) or not self._pending:
+                    return [], (), False
+                if (self._done and self._failing) or not (self._pending or self._away):
                     done, self._done = self._done, []
-                    return done, tuple(self._pending)
-                links = list(self._pending.values())
+                    return done, (*self._pending, *sorted(self._away)), self._failing
+                links = [*self._pending.values(), self._woken]
             try:
                 ready, _, _ = select.select(links, [], [], _SLICE_S)
             except (OSError, ValueError):  # a link closed meanwhile (a rank lost): look again
                 continue
             with self._lock:
                 for link in ready:
-                    self._read(link)
+                    if link is self._woken:
+                        self._woken.recv(4096)
+                    else:
+                        self._read(link)
+
+    def _follow(
+        self, call_id: bytes, call: bytes, payload: bytes, nodes: Sequence[RemoteNode]
+    ) -> None:
+        """Call each of `nodes`' hands, and take in what they bring, until all came or
+        another call replaced this one. A hand that is gone loses its node's ranks: the
+        driver then asks each rank's actor, and Ray says which one died."""
+        waiting = {
+            node.actor.run_node.remote(call_id, call, payload, node.peers, []): node
+            for node in nodes
+        }
+        owed = {ref: node.ranks for ref, node in waiting.items()}
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=_SLICE_S)
+            for ref in ready:
+                node, ranks = waiting.pop(ref), owed.pop(ref)
+                try:
+                    done, pending, failing = pickle.loads(ray.get(ref))  # noqa: S301 - our rank's
+                except Exception:  # noqa: BLE001 - its hand is gone (or broke): ask each rank
+                    done, pending, failing = [], (), True
+                came = {rank for rank, _ in done} | set(pending)
+                done = [*done, *((rank, None) for rank in ranks if rank not in came)]
+                with self._lock:
+                    if self._call != call_id:
+                        return
+                    self._done.extend(done)
+                    self._away -= {rank for rank, _ in done}
+                    self._failing = self._failing or failing or len(came) < len(ranks)
+                self._wake.send(b"\0")
+                if pending:
+                    rest = node.actor.collect.remote(call_id)
+                    waiting[rest], owed[rest] = node, tuple(pending)
+            with self._lock:
+                if self._call != call_id:
+                    return
 
     def _read(self, link: socket.socket) -> None:
         """Take one reply from `link` (lock held); a closed link loses its rank."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from typing import Any
 
 RAY_MARKERS = (b":actor_name:", b":task_name:", b":job_id:")
 """Lines Ray's worker writes to its stdout/stderr at each task, for its own log files."""
@@ -83,6 +84,17 @@ class Peer:
     """Its process, which must hold the door."""
     spec: bytes
     """Its RankSpec, pickled."""
+
+
+@dataclass(frozen=True)
+class RemoteNode:
+    """Another node of the job, as the job's first rank reaches it (see handoff)."""
+
+    actor: Any
+    """The actor of the node's first rank, which hands the call to the node's ranks."""
+    ranks: tuple[int, ...]
+    peers: bytes
+    """The node's ranks' Peers, pickled."""
 
 
 @dataclass(frozen=True)
