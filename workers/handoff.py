@@ -116,6 +116,7 @@ class Hand:
         self._failing = False
         self._wake, self._woken = socket.socketpair()
         """Written when another node's outcomes came: a collect waiting on the links wakes."""
+        self._wake.setblocking(False)
 
     def start(
         self,
@@ -174,6 +175,22 @@ class Hand:
         """Call each of `nodes`' hands, and take in what they bring, until all came or
         another call replaced this one. A hand that is gone loses its node's ranks: the
         driver then asks each rank's actor, and Ray says which one died."""
+        try:
+            self._gather(call_id, call, payload, nodes)
+        except Exception:  # noqa: BLE001 - Ray failed us: the driver asks each rank left
+            with self._lock:
+                if self._call == call_id and self._away:
+                    self._done.extend((rank, None) for rank in sorted(self._away))
+                    self._away, self._failing = set(), True
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        with contextlib.suppress(OSError):  # full: a wake is owed already
+            self._wake.send(b"\0")
+
+    def _gather(
+        self, call_id: bytes, call: bytes, payload: bytes, nodes: Sequence[RemoteNode]
+    ) -> None:
         waiting = {
             node.actor.run_node.remote(call_id, call, payload, node.peers, []): node
             for node in nodes
@@ -195,7 +212,7 @@ class Hand:
                     self._done.extend(done)
                     self._away -= {rank for rank, _ in done}
                     self._failing = self._failing or failing or len(came) < len(ranks)
-                self._wake.send(b"\0")
+                self._wake_up()
                 if pending:
                     rest = node.actor.collect.remote(call_id)
                     waiting[rest], owed[rest] = node, tuple(pending)
