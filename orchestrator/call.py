@@ -166,7 +166,8 @@ class Call:
         if pool.handoff and isinstance(data, bytes):
             first = pool.nodes[0]
             root = pool.actors[first.ranks[0]]
-            ref = root.run_node.remote(self.call_id, packed_call, data, first.peers, pool.others)
+            others = pool.others_for_call()
+            ref = root.run_node.remote(self.call_id, packed_call, data, first.peers, others)
             return {ref: Awaited(tuple(range(len(pool.actors))), first.ranks[0])}
         specs = zip(pool.actors, pool.packed_specs, strict=True)
         return {

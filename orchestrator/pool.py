@@ -102,9 +102,9 @@ class Pool:
         """`specs`, pickled once for every call."""
         self.nodes: list[Node] = []
         """The ranks by node, for calls handed off (the first rank 0's)."""
-        self.others: list[ray.ObjectRef] = []
-        """The nodes after the first, as RemoteNodes in the object store: rank 0 hands
-        each call to them (none: one node)."""
+        self.others: tuple[RemoteNode, ...] = ()
+        """The nodes after the first: rank 0 hands each call to them (none: one node)."""
+        self._others_sent = False
         self.handoff = False
         """Whether a call with a small payload goes to each node's first rank, which hands
         it to the others (else one Ray task per rank)."""
@@ -271,11 +271,22 @@ class Pool:
             Node(tuple(ranks), handoff.pack_peers([self._peer(rank) for rank in ranks]))
             for ranks in by_node.values()
         ]
-        others = [RemoteNode(self.actors[n.ranks[0]], n.ranks, n.peers) for n in self.nodes[1:]]
-        self.others = [ray.put(others)] if others else []
+        self.others = tuple(
+            RemoteNode(self.actors[node.ranks[0]], node.ranks, node.peers)
+            for node in self.nodes[1:]
+        )
+        self._others_sent = False
         self.handoff = os.environ.get(handoff.SWITCH, "1") != "0" and all(
             info.door for info in self.infos
         )
+
+    def others_for_call(self) -> tuple[RemoteNode, ...] | None:
+        """`others`, for rank 0, with the first call since they changed; None after that
+        (rank 0 keeps them: actor handles cost the driver to send)."""
+        if self._others_sent:
+            return None
+        self._others_sent = True
+        return self.others
 
     def _peer(self, rank: int) -> Peer:
         info = self.infos[rank]

@@ -85,9 +85,8 @@ class RankActor:
         self._hand = handoff.Hand()
         self._packed_peers = b""
         self._peers: tuple[Peer, ...] = ()
-        self._others: ray.ObjectRef | None = None
-        self._nodes: list[RemoteNode] = []
-        """As the job's first rank: the other nodes, as the driver last put them."""
+        self._nodes: tuple[RemoteNode, ...] = ()
+        """As rank 0: the other nodes, as the driver last sent them."""
         self._importing: threading.Thread | None = None
         if preload_torch:
             self._importing = threading.Thread(
@@ -184,20 +183,18 @@ class RankActor:
         packed_call: bytes,
         payload: bytes,
         peers: bytes,
-        others: list[ray.ObjectRef],
+        nodes: tuple[RemoteNode, ...] | None,
     ) -> bytes:
         """As its node's first rank: hand call `call_id` to every rank of the node (pickled
-        Peers, this rank among them); as the job's first, also to every other node's first
-        rank (`others`: a list of RemoteNodes in the object store, or none). Return the
-        first outcomes, pickled (see `collect`)."""
+        Peers, this rank among them); as rank 0, also to every other node's first rank
+        (`nodes`; None: the same as the last call's). Return the first outcomes, pickled
+        (see `collect`)."""
         if peers != self._packed_peers:  # the same while the pool lives
             self._peers = pickle.loads(peers)  # noqa: S301 - our driver's
             self._packed_peers = peers
-        if others and others[0] != self._others:
-            self._nodes = ray.get(others[0])
-            self._others = others[0]
-        nodes = self._nodes if others else ()
-        self._hand.start(call_id, self._peers, packed_call, payload, nodes)
+        if nodes is not None:
+            self._nodes = nodes
+        self._hand.start(call_id, self._peers, packed_call, payload, self._nodes)
         return pickle.dumps(self._hand.collect(call_id), pickle.HIGHEST_PROTOCOL)
 
     @ray.method(concurrency_group="node")

@@ -192,7 +192,7 @@ class Hand:
         self, call_id: bytes, call: bytes, payload: bytes, nodes: Sequence[RemoteNode]
     ) -> None:
         waiting = {
-            node.actor.run_node.remote(call_id, call, payload, node.peers, []): node
+            node.actor.run_node.remote(call_id, call, payload, node.peers, ()): node
             for node in nodes
         }
         owed = {ref: node.ranks for ref, node in waiting.items()}
