@@ -243,14 +243,11 @@ class Call:
         if (watch.where or watch.mute) and now >= self._judged + _JUDGE_S:
             self._judged = now
             self.stall = None
-            running = self.running()
+            returned = self._returned(watch)
+            running = self.running() - returned
             if not any(self.waits_on.values()):  # a rank in a debugger holds the others
                 self.stall = watch.report(
-                    self.pool.name,
-                    now,
-                    running,
-                    self.console.last_times,
-                    returned=self.results.keys(),
+                    self.pool.name, now, running, self.console.last_times, returned=returned
                 )
             if self.stall is not None:
                 self.slow = []
@@ -264,6 +261,15 @@ class Call:
             if self.stall is not None and self.on_stall == "raise":
                 self._stall_out(self.stall)
         return min(due, self._judged + _JUDGE_S) if watch.where else due
+
+    def _returned(self, watch: Watch) -> set[int]:
+        """Ranks whose function has returned: their outcome came, or their record says so
+        (a handed-off call's outcomes come together, once all are done)."""
+        found = set(self.results)
+        for rank, (where, _) in watch.where.items():
+            if where.call == self.share_key and not where.running:
+                found.add(rank)
+        return found
 
     def use(self, rank: int) -> str:
         """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB 87% busy'."""

@@ -182,6 +182,10 @@ def _case(case: str, held: float) -> int:
         os.kill(os.getpid(), sig.SIGSTOP)  # the test sends SIGCONT
     elif case in ("busy", "moving") and rank == 0:
         _keep_going(case, held)
+    elif case == "returns":  # rank 3 returns early; its peers wait (for it, in a real job)
+        if rank == 3:
+            return rank
+        time.sleep(held)
     elif case == "mismatch":
         if rank < 2:
             dist.all_reduce(t)
@@ -302,6 +306,17 @@ def test_on_stall_raise_ends_a_call_whose_ranks_wait_on_one_that_moves(held):
     assert "3 ranks without progress for 0:0" in line, line
     assert "3 ranks (r1-3) wait in all_reduce at test_stall.py" in line, line
     assert "moved within the last 0:0" in line and "rank 0 is at test_stall.py" in line, line
+    wait_resources_back()
+
+
+def test_a_rank_that_returned_while_the_others_wait_is_named(held):
+    """A handed-off call brings its outcomes together once all are done (see handoff): the
+    rank that returned early is known by its own record, not by its outcome."""
+    with pytest.raises(StallError) as info:
+        held.with_options(on_stall="raise")("returns", 120)
+    line = info.value.report.split("\n", 1)[0]
+    assert "3 ranks (r0-2) wait in _case at test_stall.py" in line, line
+    assert line.endswith("; rank 3 has returned"), line
     wait_resources_back()
 
 

@@ -233,7 +233,7 @@ class RankActor:
             spec = _for_call(base, call, share_key=f"{call.share_key}-{self._node_id[:16]}")
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return True, cloudpickle.dumps(self._failure(exc, time.time(), setup=True))
-        outcome = self._run(spec, payload, watched=call.watched)
+        outcome = self._run(spec, payload, watched=call.watched, call_key=call.share_key)
         try:
             return isinstance(outcome, RankFailure), cloudpickle.dumps(outcome)
         except Exception as exc:  # noqa: BLE001 - reported as the rank's failure
@@ -244,7 +244,7 @@ class RankActor:
             return True, cloudpickle.dumps(self._failure(problem, time.time(), setup=False))
 
     def _run(
-        self, spec: RankSpec, packed: bytes | Payload, *, watched: bool = True
+        self, spec: RankSpec, packed: bytes | Payload, *, watched: bool = True, call_key: str = ""
     ) -> RankResult | RankFailure:
         payload: Payload = pickle.loads(packed) if isinstance(packed, bytes) else packed  # noqa: S301 - from our own driver
         self._local_rank = spec.local_rank
@@ -269,7 +269,7 @@ class RankActor:
         started = time.time()
         sampler = self._sampler if watched else None
         if sampler is not None:
-            sampler.begin(device)
+            sampler.begin(device, call_key)
         try:
             with script.driver_main(fn):
                 value = fn(*args, **kwargs)

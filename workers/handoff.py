@@ -131,10 +131,7 @@ class Hand:
         with self._lock:
             self._call, self._pending, self._done, self._failing = call_id, {}, [], False
             self._away = {rank for node in nodes for rank in node.ranks}
-            if nodes:  # first: theirs take a Ray task each, ours a moment
-                args = (call_id, call, payload)
-                threading.Thread(target=self._follow, args=(*args, nodes), daemon=True).start()
-            for peer in peers:
+            for peer in peers:  # first: rank 0 serves the rendezvous store the others reach
                 try:
                     link = self._link(peer)
                     send(link, [call_id, peer.spec, call, payload])
@@ -142,6 +139,9 @@ class Hand:
                     self._lose(peer.rank)
                 else:
                     self._pending[peer.rank] = link
+            if nodes:
+                args = (call_id, call, payload)
+                threading.Thread(target=self._follow, args=(*args, nodes), daemon=True).start()
 
     def collect(self, call_id: bytes) -> Collected:
         """Outcomes not yet collected, the ranks still running, and whether one failed:

@@ -177,6 +177,9 @@ class Where:
     sampled: float = 0.0
     """When it last looked, on its node's monotonic clock (which every process there
     shares): two readings of one rank compare by it."""
+    call: str = ""
+    """The key of the call the record is about: with `running` False, that call's
+    function has returned on this rank."""
 
 
 class Sampler:
@@ -196,6 +199,7 @@ class Sampler:
         self._function = ""
         self._phase = COMPUTE
         self._collective = ""
+        self._call = ""
         self._clock = time.CLOCK_THREAD_CPUTIME_ID
         """The function thread's CPU clock (readable from the looking thread)."""
         self._device: int | None = None
@@ -214,9 +218,10 @@ class Sampler:
         self._functions: dict[str, int] = {}
         self._phases: dict[str, list[float]] = {}
 
-    def begin(self, device: int | None = None) -> None:
+    def begin(self, device: int | None = None, call: str = "") -> None:
         """The calling thread runs a call's function from now on: watch it (`device`: the
-        CUDA device it was given; the looking thread's own current device is the first).
+        CUDA device it was given; the looking thread's own current device is the first;
+        `call`: the call's key, which its records carry).
 
         Said at once, not by the sampler: a function that takes the GIL for good at its
         first line would leave the last call's end as this rank's word. Never raises: a
@@ -227,6 +232,7 @@ class Sampler:
         now = time.time()
         with self._writing:
             self._key, self._since, self._frames, self._collective = None, now, [], ""
+            self._call = call
             self._recorded, self._device = ("", 0.0), device
             self._place, self._function, self._phase = str(UNSEEN), "", COMPUTE
             self._clock, self._cpu = _cpu_clock(), 0.0
@@ -350,7 +356,7 @@ class Sampler:
                 f'{{"sampled": {now!r}, "mono": {time.monotonic()!r}, '
                 f'"since": {self._since!r}, "running": {flag}, '
                 f'"samples": {self._looks}, "sampler_s": {self._sampler_s:.4f}, '
-                f'"collective": {json.dumps(self._collective)}}}'
+                f'"collective": {json.dumps(self._collective)}, "call": {json.dumps(self._call)}}}'
             )
             self._put(text.encode())
             return
@@ -363,6 +369,7 @@ class Sampler:
             "collective": self._collective,
             "samples": self._looks,
             "sampler_s": round(self._sampler_s, 4),
+            "call": self._call,
         }
         record.update(  # what a look found
             frames=[[f.file, f.line, f.function, f.code, f.library] for f in self._frames],
@@ -419,6 +426,7 @@ def read(pids: dict[int, int]) -> list[Where]:
                 gpu_mb=None if record.get("gpu_mb") is None else float(record["gpu_mb"]),
                 gpu_busy=None if record.get("gpu_busy") is None else int(record["gpu_busy"]),
                 sampled=float(record.get("mono", 0.0)),
+                call=str(record.get("call", "")),
             )
         )
     return found
