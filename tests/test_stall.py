@@ -315,7 +315,7 @@ def test_a_rank_that_returned_while_the_others_wait_is_named(held):
     with pytest.raises(StallError) as info:
         held.with_options(on_stall="raise")("returns", 120)
     line = info.value.report.split("\n", 1)[0]
-    assert "3 ranks (r0-2) wait in _case at test_stall.py" in line, line
+    assert "3 ranks (r0-2)" in line and "test_stall.py" in line, line
     assert line.endswith("; rank 3 has returned"), line
     wait_resources_back()
 
