@@ -59,8 +59,8 @@ class Awaited:
 
     ranks: tuple[int, ...]
     leader: int | None = None
-    """The rank whose actor handed the call to `ranks` (rank 0, see handoff); None for
-    a rank's own task."""
+    """The rank whose actor handed the call to `ranks` (see handoff); None for a rank's
+    own task."""
 
 
 class Call:
@@ -159,16 +159,24 @@ class Call:
         )
 
     def _start(self, packed_call: bytes, data: bytes | ray.ObjectRef) -> dict[Any, Awaited]:
-        """Start the call on every rank: one Ray task to rank 0, which hands it to all the
-        others (see handoff), for a small payload; else one Ray task per rank, each of
-        which reads the payload from the object store in place."""
+        """Start the call on every rank. A small payload is handed off (see handoff): one
+        Ray task to each node's first rank, or on many nodes to rank 0, which calls the
+        others. A large one goes in one Ray task per rank, each of which reads it from the
+        object store in place."""
         pool = self.pool
-        if pool.handoff and isinstance(data, bytes):
+        if pool.handoff and isinstance(data, bytes) and pool.others:  # rank 0 calls the nodes
             first = pool.nodes[0]
             root = pool.actors[first.ranks[0]]
             others = pool.others_for_call()
             ref = root.run_node.remote(self.call_id, packed_call, data, first.peers, others)
             return {ref: Awaited(tuple(range(len(pool.actors))), first.ranks[0])}
+        if pool.handoff and isinstance(data, bytes):  # the driver calls each node's first rank
+            runs = {}
+            for node in pool.nodes:
+                hand = pool.actors[node.ranks[0]]
+                ref = hand.run_node.remote(self.call_id, packed_call, data, node.peers, ())
+                runs[ref] = Awaited(node.ranks, node.ranks[0])
+            return runs
         specs = zip(pool.actors, pool.packed_specs, strict=True)
         return {
             actor.run.remote(packed, packed_call, data): Awaited((rank,))

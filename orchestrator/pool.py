@@ -103,7 +103,8 @@ class Pool:
         self.nodes: list[Node] = []
         """The ranks by node, for calls handed off (the first rank 0's)."""
         self.others: tuple[RemoteNode, ...] = ()
-        """The nodes after the first: rank 0 hands each call to them (none: one node)."""
+        """The nodes after the first, where rank 0 hands each call to them (on many nodes:
+        see handoff.TREE_NODES); none where the driver calls each node's first rank."""
         self._others_sent = False
         self.handoff = False
         """Whether a call with a small payload goes to each node's first rank, which hands
@@ -271,9 +272,11 @@ class Pool:
             Node(tuple(ranks), handoff.pack_peers([self._peer(rank) for rank in ranks]))
             for ranks in by_node.values()
         ]
+        tree = int(os.environ.get(handoff.TREE, handoff.TREE_NODES))
         self.others = tuple(
             RemoteNode(self.actors[node.ranks[0]], node.ranks, node.peers)
             for node in self.nodes[1:]
+            if len(self.nodes) >= tree
         )
         self._others_sent = False
         self.handoff = os.environ.get(handoff.SWITCH, "1") != "0" and all(

@@ -13,6 +13,7 @@ import pytest
 from ray.util import placement_group_table
 
 from orchestrator import DistributedError, PlacementError, distribute
+from orchestrator_workers import handoff
 
 from .conftest import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 from .helpers import cli, show, write
@@ -36,15 +37,21 @@ def crash_once(folder: str, crash: str | None = "3") -> tuple[str, str, int, flo
 
 
 @pytest.mark.parametrize(
-    "dead", ["3", "2", "0"], ids=["a-node-s-second-rank", "a-node-s-first-rank", "rank-0"]
+    "case",
+    [("3", False), ("2", True), ("0", True)],
+    ids=["a-node-s-second-rank", "a-node-s-first-rank-called-by-rank-0", "rank-0-calling-all"],
 )
-def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd, dead):
-    """Calls go through rank 0, which hands them to each node's first rank (rank 2 on
-    the second node), which hands them to its node's ranks (see handoff): the death of
-    either must not take the other ranks' outcomes with it."""
+def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd, monkeypatch, case):
+    """A node's first rank (rank 2 on the second node) hands calls to its node's ranks;
+    on many nodes (`tree`, here made 2) rank 0 hands them to each node's first rank (see
+    handoff): the death of either must not take the other ranks' outcomes with it."""
+    dead, tree = case
+    if tree:
+        monkeypatch.setenv(handoff.TREE, "2")
     fn = distribute(crash_once, num_replicas=4, replicas_per_node=2, max_restarts=2, name="ft")
     job = fn.submit(str(tmp_path), dead)
     results = job.result(timeout=180)
+    assert bool(fn._runner.pool.others) == tree  # calls went through rank 0, or not
     assert [(a, node, total) for a, node, _, total in results] == [
         ("1", "0", 4.0), ("1", "0", 4.0), ("1", "1", 4.0), ("1", "1", 4.0),
     ]
