@@ -46,7 +46,11 @@ from orchestrator_workers.protocol import (
 _GATHER_S = 0.3
 """After the first failure, how long to keep listening for the others' (for the report)."""
 _POLL_S = 0.1
-"""While ranks run, how often the driver looks at their runs and their output together."""
+"""While each rank runs in a Ray task of its own, how often the driver looks at their
+runs and their output together (they end together: one look takes them all)."""
+_IDLE_S = 0.5
+"""Otherwise the driver wakes when a run ends or a rank prints; and at least this often,
+to see a stop (which also kills the ranks, and so ends their runs) or a reading due."""
 _JUDGE_S = 1.0
 """While ranks are read, how often the driver works out who makes no progress."""
 _FORGET_WAIT_S = 5.0
@@ -108,7 +112,7 @@ class Call:
         self.stop = stop or threading.Event()
         self.earlier = tuple(earlier)
         self.share_key = uuid.uuid4().hex[:16]
-        self.share_nodes = {info.node_id for info in pool.infos}
+        self.share_nodes = [node.node_id for node in pool.nodes]
         call = CallSpec(
             master_port=pool.store_port,
             restart_count=restart_count,
@@ -121,6 +125,10 @@ class Call:
         self.call_id = self.share_key.encode()
         self.runs = self._start(packed_call, shipped.data)
         """The Ray tasks in flight that bring ranks' outcomes, and whose."""
+        self.draining: dict[ray.ObjectRef, int] = {}
+        """Each live rank's output request in flight: ref -> rank."""
+        self._undrained = set(range(len(pool.actors)))
+        """Ranks whose output request is to be made (or found, if one is in flight)."""
         self.dead: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         """Statuses ranks passed to os._exit, as they reported them just before."""
@@ -223,7 +231,7 @@ class Call:
                 break
             if self.time_limit is not None and now >= self.time_limit and self.runs:
                 self._time_out()
-            draining = self._request_output()
+            self._request_output()
             looked = self._look(now)
             status = self.status.tick(now, console.last_output) if self.status else None
             wake = [
@@ -232,15 +240,12 @@ class Call:
                 if t
             ]
             wait_s = min(wake) - now if wake else None
-            if self.runs:
-                finished, shown = self._wait_runs(wait_s, draining)
-            else:  # only output owed: wait for it
-                finished, shown = [], _ready(list(draining), wait_s)
+            finished, shown = self._wait_runs(wait_s)
             if self.stop.is_set():
                 raise StopRequested
             self._take_all(finished)
             for ref in shown:
-                self._show(draining[ref])
+                self._show(self.draining.pop(ref))
 
     def _look(self, now: float) -> float | None:
         """Read where the ranks are when due, and say who makes no progress; when next."""
@@ -248,6 +253,8 @@ class Call:
         if watch is None or not self.runs or self.failures:
             return None
         due = watch.tick(now)
+        if watch.pending:  # readings on their way are taken in at the next pass
+            due = min(due, now + _POLL_S)
         if (watch.where or watch.mute) and now >= self._judged + _JUDGE_S:
             self._judged = now
             self.stall = None
@@ -302,21 +309,26 @@ class Call:
         return None
 
     def _wait_runs(
-        self, wait_s: float | None, draining: dict[ray.ObjectRef, int]
+        self, wait_s: float | None
     ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
-        """Runs finished within `wait_s` (or `_POLL_S`), and the output requests ready.
+        """Runs finished within `wait_s` (or the poll), and the output requests ready.
 
-        One wait for every run (a job's ranks end together: one wait takes them all)
-        and one look at the output requests, each pass: a wait for the first of all the
-        refs would return once per rank, each time a pass over every rank. A failure or
-        a line is seen at most `_POLL_S` late.
+        Where the runs are few (a call handed off by node), one wait for the first of the
+        runs and the output requests, then a look at the rest: a failure or a line is
+        seen at once, and a call that prints nothing costs a pass or two. Where each rank
+        has a run of its own, one wait for every run (a job's ranks end together: one
+        wait takes them all) and a look at the output requests, every `_POLL_S`: a wait
+        for the first would return once per rank, each time a pass over every rank.
         """
-        runs = list(self.runs)
-        timeout = _POLL_S if wait_s is None else max(0.0, min(wait_s, _POLL_S))
-        finished, _ = ray.wait(runs, num_returns=len(runs), timeout=timeout)
-        refs = list(draining)
-        shown, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-        return finished, shown
+        runs, draining = list(self.runs), list(self.draining)
+        if len(runs) > len(self.pool.nodes):
+            timeout = _POLL_S if wait_s is None else max(0.0, min(wait_s, _POLL_S))
+            finished, _ = ray.wait(runs, num_returns=len(runs), timeout=timeout)
+            shown = _ready(draining, 0) if draining else []
+            return finished, shown
+        timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
+        ready = _ready(runs + draining, timeout)
+        return [r for r in ready if r in self.runs], [r for r in ready if r in self.draining]
 
     def rank_state(self, rank: int, *, stopped: bool) -> str:
         """finished, failed, running (or what it waits on); `stopped` when the call ended."""
@@ -394,13 +406,11 @@ class Call:
             channels[rank].shown < seq for rank, seq in self.owed.items() if rank not in dead
         )
 
-    def _request_output(self) -> dict[ray.ObjectRef, int]:
-        """Each live rank's output request in flight (made now where none is): ref -> rank."""
-        return {
-            channel.request(): rank
-            for rank, channel in enumerate(self.pool.channels)
-            if rank not in self.dead
-        }
+    def _request_output(self) -> None:
+        """Make the output requests still to be made (a rank's, once its last came back)."""
+        for rank in self._undrained - self.dead:
+            self.draining[self.pool.channels[rank].request()] = rank
+        self._undrained.clear()
 
     def _take_all(self, refs: list[ray.ObjectRef]) -> None:
         """Take the outcomes these finished tasks bring, fetched together where all are there."""
@@ -465,6 +475,7 @@ class Call:
         except RayActorError:
             self.dead.add(rank)
             return
+        self._undrained.add(rank)
         for chunk in chunks:
             if chunk.stream == EXIT_STREAM:
                 self.exit_codes[rank] = int(chunk.data)

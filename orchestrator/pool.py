@@ -61,6 +61,8 @@ def parse_actor_name(name: str) -> tuple[str, str, int] | None:
 class Node:
     """The ranks of one Ray node, as a call reaches them (see handoff)."""
 
+    node_id: str
+    """Ray's id of the node."""
     ranks: tuple[int, ...]
     """The first one hands the call to the others (and to itself)."""
     peers: bytes
@@ -269,15 +271,16 @@ class Pool:
         for rank, info in enumerate(self.infos):
             by_node.setdefault(info.node_id, []).append(rank)
         self.nodes = [
-            Node(tuple(ranks), handoff.pack_peers([self._peer(rank) for rank in ranks]))
-            for ranks in by_node.values()
+            Node(node_id, tuple(ranks), handoff.pack_peers([self._peer(r) for r in ranks]))
+            for node_id, ranks in by_node.items()
         ]
         tree = int(os.environ.get(handoff.TREE, handoff.TREE_NODES))
-        self.others = tuple(
-            RemoteNode(self.actors[node.ranks[0]], node.ranks, node.peers)
-            for node in self.nodes[1:]
-            if len(self.nodes) >= tree
-        )
+        self.others = ()
+        if len(self.nodes) >= tree:
+            self.others = tuple(
+                RemoteNode(self.actors[node.ranks[0]], node.ranks, node.peers)
+                for node in self.nodes[1:]
+            )
         self._others_sent = False
         self.handoff = os.environ.get(handoff.SWITCH, "1") != "0" and all(
             info.door for info in self.infos

@@ -355,3 +355,42 @@ def test_a_quiet_warm_call_after_one_that_printed(cluster):
         assert fn(True) == [1, 1]
         assert fn.submit(False).result(timeout=30) == [1, 1]
         assert fn.submit(True).result(timeout=30) == [1, 1]
+
+
+def test_a_line_is_shown_while_the_call_runs_and_a_quiet_wait_is_cheap(
+    cluster, tmp_path, monkeypatch
+):
+    """The driver wakes when a rank prints (the line is shown while the call still runs)
+    or a run ends; otherwise only every `_IDLE_S`: a quiet call costs it a few passes."""
+    from orchestrator import call as call_module
+
+    passes: list[float] = []
+    real = call_module.Call._wait_runs
+
+    def counted(self: call_module.Call, wait_s: float | None) -> object:
+        passes.append(time.monotonic())
+        return real(self, wait_s)
+
+    monkeypatch.setattr(call_module.Call, "_wait_runs", counted)
+    go = tmp_path / "go"
+
+    def speak_then_wait(path: str) -> int:
+        print(f"rank {os.environ['RANK']} waits", flush=True)
+        while not os.path.exists(path):
+            time.sleep(0.02)
+        time.sleep(2.0)  # quiet
+        return 1
+
+    with distribute(speak_then_wait, num_replicas=2, replicas_per_node=1, name="wake") as fn:
+        job = fn.submit(str(go))
+        deadline = time.monotonic() + 60
+        while {r.last_line for r in job.table().rows} != {"rank 0 waits", "rank 1 waits"}:
+            assert not job.done(), job.result()
+            assert time.monotonic() < deadline, job.table().rows
+            time.sleep(0.05)
+        quiet_from = time.monotonic()
+        go.touch()  # the ranks go on only once the driver has shown their lines
+        assert job.result(timeout=60) == [1, 1]
+    quiet = [t for t in passes if t > quiet_from]
+    # 2 s without output: about 2 / _IDLE_S passes, and one as the runs end (not 20).
+    assert len(quiet) <= 2 / call_module._IDLE_S + 3, len(quiet)
