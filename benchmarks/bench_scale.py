@@ -39,6 +39,8 @@ from typing import Any
 
 PER_NODE = 8
 PRINT_HZ = 100
+IDLE_S = 3.0
+"""How long each driver sits idle with its pool warm, to measure its idle CPU."""
 
 
 # ----------------------------------------------------------------------------- the jobs
@@ -81,6 +83,14 @@ def _pss_mb(pid: int, with_children: bool) -> float:
         return sum(p.memory_full_info().pss for p in procs) / 2**20
     except psutil.Error:
         return float("nan")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every process on this machine has used (since boot), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(f) for f in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _uss_mb() -> float:
@@ -268,12 +278,16 @@ def drive(run: Run) -> dict:
     cold = time.perf_counter() - started
     wanted = list(range(ranks)) if mode == "rank" else [ranks * (ranks - 1) // 2] * ranks
     assert first == wanted, (first[:4], wanted[:4])
-    walls, cpus = [], []
+    walls, cpus, machine = [], [], []
     for _ in range(calls):
-        cpu, wall = time.process_time(), time.perf_counter()
+        cpu, wall, busy = time.process_time(), time.perf_counter(), _machine_busy_s()
         call(0)
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
+        machine.append(_machine_busy_s() - busy)
+    cpu = time.process_time()
+    time.sleep(IDLE_S)  # what Ray's own threads in this driver use with nothing to do
+    idle_cpu_frac = (time.process_time() - cpu) / IDLE_S
     pids = fn.pids() if ours else floor.pids()
     rank_pss = [_pss_mb(pid, with_children=True) for pid in pids]
     steps = int(print_s * PRINT_HZ)
@@ -289,6 +303,8 @@ def drive(run: Run) -> dict:
         "cold_s": cold,
         "warm_s": walls,
         "cpu_s": cpus,
+        "machine_cpu_s": machine,
+        "idle_cpu_frac": idle_cpu_frac,
         "driver_uss_mb": _uss_mb(),
         "rank_pss_mb": statistics.median(rank_pss),
         "print_cpu_frac": print_cpu / print_wall,
@@ -370,8 +386,8 @@ def main() -> None:
             for mode in ("rank", "gloo"):
                 if mode == "gloo" and size not in gloo_sizes:
                     continue
-                repeats = 1 if args.quick or size >= 64 else 2
-                calls = args.calls if size < 128 else max(10, args.calls // 3)
+                repeats = 1 if args.quick else 2
+                calls = args.calls if size < 128 else max(10, args.calls // 2)
                 calls = 5 if args.quick else calls
                 found: dict[str, list[dict]] = {"ours": [], "floor": []}
                 for rep in range(repeats):
@@ -404,6 +420,8 @@ def _merge(results: list[dict]) -> dict[str, Any]:
         "warm": statistics.median(walls),
         "p90": _p(walls, 0.9),
         "cpu": statistics.median(cpus),
+        "machine": statistics.median(m for r in results for m in r["machine_cpu_s"]),
+        "idle": statistics.median(r["idle_cpu_frac"] for r in results),
         "uss": statistics.median(r["driver_uss_mb"] for r in results),
         "pss": statistics.median(r["rank_pss_mb"] for r in results),
         "print": statistics.median(r["print_cpu_frac"] for r in results),
@@ -435,6 +453,16 @@ def _report(rows: list[dict], took: float) -> None:
             f"{ours['uss']:.0f}/{floor['uss']:.0f}", f"{ours['pss']:.0f}/{floor['pss']:.0f}",
             f"{ours['print']:.0%}/{floor['print']:.0%}", f"{ours['lines']} / {floor['lines']}",
         ]))
+    print("\nWhere a warm call's time goes: every process's CPU per call (the machine's "
+          f"{os.cpu_count()} cores), and the driver's CPU per call less what Ray's threads in "
+          "it use idle (its idle rate x the call's wall time):")
+    print("ranks | job | machine CPU/call ours / floor | drv idle CPU ours / floor | "
+          "drv CPU/call less idle ours / floor")
+    for row, ours, floor in merged:
+        own = [m["cpu"] - m["idle"] * m["warm"] for m in (ours, floor)]
+        print(f"{row['size']} | {row['mode']} | {ours['machine'] * 1e3:.0f} / "
+              f"{floor['machine'] * 1e3:.0f} ms | {ours['idle'] * 1e3:.1f} / "
+              f"{floor['idle'] * 1e3:.1f} ms/s | {own[0] * 1e3:.1f} / {own[1] * 1e3:.1f} ms")
     direct = [(row, _merge(row["direct"])) for row in rows if row.get("direct")]
     if direct:
         print("\nOurs with one Ray task per rank (ORCHESTRATOR_HANDOFF=0), rank-only job:")
