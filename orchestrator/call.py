@@ -49,8 +49,9 @@ _POLL_S = 0.1
 """While each rank runs in a Ray task of its own, how often the driver looks at their
 runs and their output together (they end together: one look takes them all)."""
 _IDLE_S = 0.5
-"""Otherwise the driver wakes when a run ends or a rank prints; and at least this often,
-to see a stop (which also kills the ranks, and so ends their runs) or a reading due."""
+"""Otherwise, while the ranks are quiet, the driver wakes when a run ends or a rank
+prints; and at least this often, to see a stop (which also kills the ranks, and so ends
+their runs)."""
 _JUDGE_S = 1.0
 """While ranks are read, how often the driver works out who makes no progress."""
 _FORGET_WAIT_S = 5.0
@@ -129,6 +130,8 @@ class Call:
         """Each live rank's output request in flight: ref -> rank."""
         self._undrained = set(range(len(pool.actors)))
         """Ranks whose output request is to be made (or found, if one is in flight)."""
+        self._shown_at = 0.0
+        """When output was last taken in (ranks that print are read every `_POLL_S`)."""
         self.dead: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         """Statuses ranks passed to os._exit, as they reported them just before."""
@@ -246,6 +249,8 @@ class Call:
             self._take_all(finished)
             for ref in shown:
                 self._show(self.draining.pop(ref))
+            if shown:
+                self._shown_at = time.monotonic()
 
     def _look(self, now: float) -> float | None:
         """Read where the ranks are when due, and say who makes no progress; when next."""
@@ -313,22 +318,28 @@ class Call:
     ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
         """Runs finished within `wait_s` (or the poll), and the output requests ready.
 
-        Where the runs are few (a call handed off by node), one wait for the first of the
-        runs and the output requests, then a look at the rest: a failure or a line is
-        seen at once, and a call that prints nothing costs a pass or two. Where each rank
+        Where the runs are few (a call handed off by node) and the ranks are quiet, one
+        wait for the first of the runs and the output requests: a failure or a line is
+        seen at once, and a call that prints nothing costs a pass or two. While they
+        print, their output is taken every `_POLL_S`, not line by line. Where each rank
         has a run of its own, one wait for every run (a job's ranks end together: one
         wait takes them all) and a look at the output requests, every `_POLL_S`: a wait
         for the first would return once per rank, each time a pass over every rank.
         """
         runs, draining = list(self.runs), list(self.draining)
-        if len(runs) > len(self.pool.nodes):
-            timeout = _POLL_S if wait_s is None else max(0.0, min(wait_s, _POLL_S))
+        per_rank = len(runs) > len(self.pool.nodes)
+        printing = time.monotonic() - self._shown_at < _POLL_S
+        if not runs or not (per_rank or printing):
+            timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
+            ready = _ready(runs + draining, timeout)
+            return [r for r in ready if r in self.runs], [r for r in ready if r in self.draining]
+        poll = _POLL_S if per_rank else self._shown_at + _POLL_S - time.monotonic()
+        timeout = max(0.0, poll if wait_s is None else min(wait_s, poll))
+        if per_rank:
             finished, _ = ray.wait(runs, num_returns=len(runs), timeout=timeout)
-            shown = _ready(draining, 0) if draining else []
-            return finished, shown
-        timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
-        ready = _ready(runs + draining, timeout)
-        return [r for r in ready if r in self.runs], [r for r in ready if r in self.draining]
+        else:
+            finished = _ready(runs, timeout)
+        return finished, _ready(draining, 0) if draining else []
 
     def rank_state(self, rank: int, *, stopped: bool) -> str:
         """finished, failed, running (or what it waits on); `stopped` when the call ended."""
