@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator import cluster, crash, messages
+from orchestrator import channel, cluster, crash, messages
 from orchestrator.errors import (
     CRASH,
     JobTimeoutError,
@@ -130,8 +130,9 @@ class Call:
         """Each live rank's output request in flight: ref -> rank."""
         self._undrained = set(range(len(pool.actors)))
         """Ranks whose output request is to be made (or found, if one is in flight)."""
-        self._shown_at = 0.0
-        """When output was last taken in (ranks that print are read every `_POLL_S`)."""
+        # How long each rank's output request gathers output once some comes; and when
+        # output was last taken in (ranks that print are then read every `_POLL_S`).
+        self.gather_s, self._shown_at = channel.gather_s(len(pool.actors)), 0.0
         self.dead: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         """Statuses ranks passed to os._exit, as they reported them just before."""
@@ -321,14 +322,15 @@ class Call:
         Where the runs are few (a call handed off by node) and the ranks are quiet, one
         wait for the first of the runs and the output requests: a failure or a line is
         seen at once, and a call that prints nothing costs a pass or two. While they
-        print, their output is taken every `_POLL_S`, not line by line. Where each rank
+        print (from `channel.GATHER_FROM_RANKS`), their output is taken every `_POLL_S`,
+        not line by line. Where each rank
         has a run of its own, one wait for every run (a job's ranks end together: one
         wait takes them all) and a look at the output requests, every `_POLL_S`: a wait
         for the first would return once per rank, each time a pass over every rank.
         """
         runs, draining = list(self.runs), list(self.draining)
         per_rank = len(runs) > len(self.pool.nodes)
-        printing = time.monotonic() - self._shown_at < _POLL_S
+        printing = self.gather_s > 0 and time.monotonic() - self._shown_at < _POLL_S
         if not runs or not (per_rank or printing):
             timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
             ready = _ready(runs + draining, timeout)
@@ -420,7 +422,7 @@ class Call:
     def _request_output(self) -> None:
         """Make the output requests still to be made (a rank's, once its last came back)."""
         for rank in self._undrained - self.dead:
-            self.draining[self.pool.channels[rank].request()] = rank
+            self.draining[self.pool.channels[rank].request(self.gather_s)] = rank
         self._undrained.clear()
 
     def _take_all(self, refs: list[ray.ObjectRef]) -> None:

@@ -15,14 +15,19 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from orchestrator.fold import FOLD_FROM_RANKS
 from orchestrator_workers.protocol import OutputChunk
 
 DRAIN_POLL_S = 30.0
 """How long one output request waits on an idle rank before returning empty."""
 DRAIN_GATHER_S = 0.1
-"""Once a rank prints, how long its output request waits for more before returning: a
-rank printing every step then costs the driver ten requests a second, not one a line.
-The call's end returns it at once."""
+"""From `GATHER_FROM_RANKS` ranks: once a rank prints, how long its output request waits
+for more before returning, so that a rank printing every step costs the driver ten
+requests a second, not one a line. The call's end returns it at once."""
+GATHER_FROM_RANKS = FOLD_FROM_RANKS
+"""Below this many ranks, each line comes as soon as it is printed (a person reads them
+as they come); from it, output is gathered: the console folds it then, and a fold holds
+a line for a moment anyway."""
 STACKS_WAIT_S = 3.0
 """How long to wait for the ranks' stacks before reporting without them."""
 
@@ -37,10 +42,11 @@ class RankChannel:
     shown: int = 0
     """The seq of the last chunk taken in: a call owes only newer ones."""
 
-    def request(self) -> ray.ObjectRef:
-        """The output request in flight, made now if there is none."""
+    def request(self, gather_s: float) -> ray.ObjectRef:
+        """The output request in flight, made now if there is none (one that gathers
+        output for `gather_s` once some comes)."""
         if self.drain is None:
-            self.drain = self.actor.drain.remote(DRAIN_POLL_S, DRAIN_GATHER_S)
+            self.drain = self.actor.drain.remote(DRAIN_POLL_S, gather_s)
         return self.drain
 
     def take(self) -> list[OutputChunk]:
@@ -52,6 +58,12 @@ class RankChannel:
         if chunks:  # the pseudo-streams' chunks count as taken in too
             self.shown = max(self.shown, chunks[-1].seq)
         return chunks
+
+
+def gather_s(ranks: int) -> float:
+    """How long an output request of a job of `ranks` ranks gathers output (see
+    `GATHER_FROM_RANKS`)."""
+    return DRAIN_GATHER_S if ranks >= GATHER_FROM_RANKS else 0.0
 
 
 def rank_stacks(actors: Mapping[int, Any], wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
