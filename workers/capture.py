@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from orchestrator_workers.private import UnsafeFolderError
 from orchestrator_workers.protocol import EXIT_STREAM, RAY_MARKERS, STATE_STREAM, OutputChunk
-from orchestrator_workers.tail import STREAMS, frame, tail_path
+from orchestrator_workers.tail import STREAMS, frame, keeper_command, tail_path
 
 _READ = 1 << 16
 _SWEEP_LIMIT = 1 << 20  # bytes per pipe per sweep, so a flood cannot starve the other
@@ -83,10 +83,10 @@ class Capture:
         self._keeper: subprocess.Popen[bytes] | None = None
         try:
             path = str(tail_path(os.getpid()))  # refused where the folder is not ours
-            argv = [sys.executable, "-m", "orchestrator_workers.tail", path]
-            argv += [str(out_fd), str(err_fd), str(tee), str(lifeline)]
+            argv, folder = keeper_command(path, (out_fd, err_fd, tee, lifeline))
             self._keeper = subprocess.Popen(
                 argv,
+                cwd=folder,
                 pass_fds=(out_fd, err_fd, tee, lifeline),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
