@@ -323,10 +323,10 @@ class Call:
         wait for the first of the runs and the output requests: a failure or a line is
         seen at once, and a call that prints nothing costs a pass or two. While they
         print (from `channel.GATHER_FROM_RANKS`), their output is taken every `_POLL_S`,
-        not line by line. Where each rank
-        has a run of its own, one wait for every run (a job's ranks end together: one
-        wait takes them all) and a look at the output requests, every `_POLL_S`: a wait
-        for the first would return once per rank, each time a pass over every rank.
+        not line by line. Where each rank has a run of its own, one wait for every run
+        (a job's ranks end together: one wait takes them all) and a look at the output
+        requests, every `_POLL_S`: a wait for the first would return once per rank, each
+        time a pass over every rank.
         """
         runs, draining = list(self.runs), list(self.draining)
         per_rank = len(runs) > len(self.pool.nodes)
