@@ -131,6 +131,7 @@ def _save(path: str, kept: Iterable[tuple[int, str, bytes]], out_fd: int, err_fd
     pid = target.stem.removeprefix("tail-")
     (target.parent / f"torchelastic-error-{pid}.json").unlink(missing_ok=True)
 
+
 def _sweep(folder: Path) -> None:
     """Remove copies that keepers killed before their time (e.g. with their node) left."""
     old = time.time() - 6 * KEEP_S
