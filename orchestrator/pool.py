@@ -296,7 +296,9 @@ class Pool:
 
     def _peer(self, rank: int) -> Peer:
         info = self.infos[rank]
-        return Peer(rank=rank, door=info.door, pid=info.pid, spec=self.packed_specs[rank])
+        return Peer(
+            rank=rank, door=info.door, pid=info.pid, spec=self.packed_specs[rank], key=info.door_key
+        )
 
     def use_store(self, port: int | None, *, close: bool) -> None:
         """After a call: rank 0 reserved `port` for the next call's store; `close`: its

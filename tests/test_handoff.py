@@ -25,7 +25,8 @@ class Rank:
         return payload == b"fail", b"r%d:%s" % (self.rank, payload)
 
     def peer(self) -> Peer:
-        return Peer(rank=self.rank, door=self.door.name, pid=os.getpid(), spec=b"")
+        door = self.door
+        return Peer(rank=self.rank, door=door.name, pid=os.getpid(), spec=b"", key=door.key)
 
 
 def test_a_failure_is_reported_at_once_and_the_others_when_done() -> None:

@@ -455,7 +455,7 @@ def test_a_rank_takes_calls_from_its_own_user_alone() -> None:
     assert _as_other_user(intrude).startswith(b"cut off")
     assert calls == []
     hand = handoff.Hand()
-    me = Peer(rank=5, door=door.name, pid=os.getpid(), spec=b"spec")
+    me = Peer(rank=5, door=door.name, pid=os.getpid(), spec=b"spec", key=door.key)
     hand.start(b"call-1", [me], b"call", b"code")
     assert hand.collect(b"call-1") == ([(5, b"outcome of code")], (), False)
     assert calls == [b"code"]
@@ -468,7 +468,7 @@ def test_a_call_goes_to_no_door_but_the_rank_s_own_process() -> None:
     rank's socket name. The rank counts as lost instead."""
     door, calls = _served()
     hand = handoff.Hand()
-    elsewhere = Peer(rank=1, door=door.name, pid=os.getpid() + 1, spec=b"")
+    elsewhere = Peer(rank=1, door=door.name, pid=os.getpid() + 1, spec=b"", key=door.key)
     hand.start(b"call-1", [elsewhere], b"call", b"secret")
     assert hand.collect(b"call-1") == ([(1, None)], (), True)
     assert calls == []
@@ -501,3 +501,85 @@ def test_a_call_goes_to_no_door_but_the_rank_s_own_process() -> None:
         assert hand.collect(b"call-2") == ([(2, None)], (), True)
         assert told.read() == b"nothing"
     os.waitpid(pid, 0)
+
+
+SIBLING = [
+    "unshare",
+    "--pid",
+    "--mount",
+    "--fork",
+    "--mount-proc",
+    "setpriv",
+    "--bounding-set=-all",
+    "--inh-caps=-all",
+    "--no-new-privs",
+]
+"""A root container with host networking, as far as one process can be: its own pid and
+mount namespaces, every capability dropped, the same uid and network."""
+needs_namespaces = pytest.mark.skipif(
+    os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
+    reason="needs root, unshare and setpriv to act as a sibling container",
+)
+
+
+def _sibling_attacks(marker: Path) -> str:
+    """What tests/sibling_attack.py, run as a sibling container, printed."""
+    script = Path(__file__).with_name("sibling_attack.py")
+    done = subprocess.run(
+        [*SIBLING, sys.executable, str(script), str(marker), "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout
+
+
+@needs_namespaces
+def test_a_sibling_container_on_the_node_network_runs_nothing_through_a_door(
+    tmp_path: Path,
+) -> None:
+    """An abstract socket is reachable from every process in the network namespace, and
+    SO_PEERCRED's uid is the same for a root container: the door serves only a peer
+    that sends its secret first. A connection queued before the hand's (as when a node's
+    first rank is replaced) is not served next; a silent one does not hold the door."""
+    door, calls = _served()
+    marker = tmp_path / "planted"
+    said = _sibling_attacks(marker)
+    assert f"{door.name} hung up" in said, said
+    assert calls == [] and not marker.exists()
+    # A connection that waits, silent, in the door's backlog, then the real hand.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.connect(f"\0{door.name}")
+        hand = handoff.Hand()
+        me = Peer(rank=0, door=door.name, pid=os.getpid(), spec=b"", key=door.key)
+        started = time.monotonic()
+        hand.start(b"call-1", [me], b"call", b"args")
+        assert hand.collect(b"call-1") == ([(0, b"outcome of args")], (), False)
+        assert time.monotonic() - started < handoff.KEY_WAIT_S
+        silent.settimeout(handoff.KEY_WAIT_S + 5)
+        assert silent.recv(1) == b""  # hung up on, within the key's wait
+    assert "key" not in repr(door) and door.key.hex() not in repr(me)
+
+
+@needs_namespaces
+def test_a_sibling_container_runs_nothing_in_a_pool_s_ranks(cluster, tmp_path: Path) -> None:
+    """Against real ranks: every door of a live pool, before its first handed-off call
+    and between calls, refuses the sibling's call, and the results stay right."""
+    marker = tmp_path / "planted"
+
+    def add(x: float, pad: bytes = b"") -> float:
+        return x + 1.0 + (1000.0 if os.path.exists(marker) else 0.0)
+
+    fn = distribute(add, num_replicas=2, replicas_per_node=2)
+    try:
+        assert fn(2.0, pad=bytes(1 << 20)) == [3.0, 3.0]  # large: no call handed off yet
+        first = _sibling_attacks(marker)
+        assert fn(2.0) == [3.0, 3.0]
+        later = _sibling_attacks(marker)
+        assert fn(2.0) == [3.0, 3.0]
+    finally:
+        fn.shutdown()
+    for said in (first, later):
+        assert "served" not in said and "hung up" in said, said
+    assert not marker.exists()

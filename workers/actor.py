@@ -119,6 +119,7 @@ class RankActor:
             tail_path=self._capture.tail,
             niceness=os.getpriority(os.PRIO_PROCESS, 0),
             door=self._door.name,
+            door_key=self._door.key,
         )
 
     @ray.method(concurrency_group="control")

@@ -9,16 +9,21 @@ microseconds. So a warm call costs the driver and the cluster one Ray task per n
 Each rank listens on a Unix socket of its own (its `Door`). Its node's first rank (the
 `Hand`) connects to every door of the node, its own included, sends each rank the call,
 and gathers the outcomes; the job's first rank also calls every other node's hand (a
-Ray task each) and gathers theirs. The sockets are abstract (no file to plant or remove), and
-each side checks the other's credentials with SO_PEERCRED before it reads anything:
-the door takes calls only from this user's processes, and the hand talks only to the
-rank's own process (its pid). Another user on the node can neither send a rank code
-nor read a call's arguments, even by taking a dead rank's socket name.
+Ray task each) and gathers theirs. The sockets are abstract (no file to plant or remove),
+so every process in the node's network namespace can reach them, whoever's and in whichever
+container. So a door serves only a peer that first sends its secret (`Door.key`, 32
+random bytes that the rank made and that reached its hand only through Ray, with Ray's
+token), compared in constant time before a byte is unpickled; a peer that sends nothing
+is dropped after KEY_WAIT_S, and never holds the door. The hand, in turn, checks with
+SO_PEERCRED that the door it reached is held by the rank's own process (its pid and
+uid). Nothing else on the node can send a rank code or read a call's arguments, even by
+taking a dead rank's socket name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 import pickle
 import secrets
@@ -26,6 +31,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import ray
@@ -41,6 +47,10 @@ TREE_NODES = 8
 """Below this, the extra hop through rank 0 costs a call more time than the driver's
 Ray tasks to each node: at 16 ranks on 2 nodes, 33 ms against 22 (Ray's own: 26); from
 8 nodes the driver's CPU per call is 4.9 ms through rank 0 (Ray's: 57)."""
+KEY_BYTES = 32
+"""The size of a door's secret."""
+KEY_WAIT_S = 1.0
+"""How long a door waits for a new connection's secret before it hangs up."""
 _CRED = struct.Struct("3i")
 """struct ucred: pid, uid, gid."""
 _SLICE_S = 0.5
@@ -70,6 +80,10 @@ class Door:
         self._last: tuple[bytes, bytes] = (b"", b"")
         """The last call's id and outcome, for `outcome` (a hand that died cannot ask)."""
         self._done = threading.Condition()
+        self._serving = threading.Lock()
+        """One link is served at a time (a replaced hand's link closes with its process)."""
+        self.key = secrets.token_bytes(KEY_BYTES)
+        """What a peer must send first to be served; only the driver and the hand see it."""
         self.name = ""
         """The abstract socket's name; "" where none could be opened (no hand-off)."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -83,6 +97,10 @@ class Door:
         self.name = name
         threading.Thread(target=self._accept, args=(listener,), name="rank", daemon=True).start()
 
+    def __repr__(self) -> str:
+        """Never the key."""
+        return f"Door({self.name!r})"
+
     def outcome(self, call_id: bytes) -> bytes:
         """The outcome of call `call_id`, once this rank has one; asked once (it is let go)."""
         with self._done:
@@ -93,9 +111,16 @@ class Door:
     def _accept(self, listener: socket.socket) -> None:
         while True:
             conn, _ = listener.accept()
-            with conn, contextlib.suppress(Exception):  # that link ends; the door stays open
-                if credentials(conn)[1] == os.getuid():
-                    self._answer(conn)
+            threading.Thread(target=self._greet, args=(conn,), name="door", daemon=True).start()
+
+    def _greet(self, conn: socket.socket) -> None:
+        """Serve `conn` if its first bytes are the key, within KEY_WAIT_S; else hang up."""
+        with conn, contextlib.suppress(Exception):  # that link ends; the door stays open
+            if not hmac.compare_digest(_key(conn), self.key):
+                return
+            conn.settimeout(None)
+            with self._serving:
+                self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
         while (frame := receive(conn, 4)) is not None:
@@ -106,7 +131,6 @@ class Door:
                 self._done.notify_all()
             sent = b"" if len(outcome) > _LARGE else outcome  # b"": ask me for it
             send(conn, [call_id, b"\1" if failed else b"\0", sent])
-
 
 class Hand:
     """A node's first rank's side: a link to each rank's door, and the current call."""
@@ -267,6 +291,7 @@ class Hand:
             pid, uid, _ = credentials(link)
             if (pid, uid) != (peer.pid, os.getuid()):
                 raise OSError(f"rank {peer.rank}'s door is held by pid {pid}, uid {uid}")
+            link.sendall(peer.key)
         except OSError:
             link.close()
             raise
@@ -309,6 +334,18 @@ def receive(sock: socket.socket, count: int) -> list[bytes] | None:
             raise ConnectionResetError("the other end closed in the middle of a frame")
         parts.append(part)
     return parts
+
+
+def _key(conn: socket.socket) -> bytes:
+    """The first KEY_BYTES bytes `conn` sends within KEY_WAIT_S in all; fewer if not."""
+    got, deadline = b"", time.monotonic() + KEY_WAIT_S
+    while len(got) < KEY_BYTES and (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        chunk = conn.recv(KEY_BYTES - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return got
 
 
 def _exactly(sock: socket.socket, size: int) -> bytes | None:

@@ -34,6 +34,8 @@ class NodeInfo:
     """The actor process's nice value (Ray's worker_niceness sets it on each node)."""
     door: str = ""
     """The abstract Unix socket its node's first rank hands it calls on ("": none)."""
+    door_key: bytes = field(default=b"", repr=False)
+    """The secret its door's peer must send first (see handoff); never shown."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ class Peer:
     """Its process, which must hold the door."""
     spec: bytes
     """Its RankSpec, pickled."""
+    key: bytes = field(default=b"", repr=False)
+    """Its door's secret, sent first on each link (see handoff); never shown."""
 
 
 @dataclass(frozen=True)
