@@ -398,10 +398,26 @@ def test_the_rendezvous_store_listens_for_its_call_alone_on_the_ranks_interface(
             time.sleep(0.1)
         reserved = fn._runner.pool.store_port
         assert reserved != port and _refused(host, reserved)  # the next call's: reserved only
+        if os.getuid() == 0:  # another user cannot take it between calls
+            taken = _as_other_user(lambda: _try_to_take(host, reserved))
+            assert taken.startswith(b"refused"), taken
         (_, used, _), _ = fn()  # the next call rendezvous there
         assert used == reserved
     finally:
         fn.shutdown()
+
+
+def _try_to_take(host: str, port: int) -> bytes:
+    """Bind and listen on `host`:`port` as Linux lets a second socket do: b"taken" or why not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(1)
+        except OSError as exc:
+            return f"refused: {exc}".encode()
+    return b"taken"
 
 
 def _as_other_user(work: Callable[[], bytes]) -> bytes:

@@ -117,5 +117,9 @@ def serve_store(sock: socket.socket) -> Any:
         )
     except (TypeError, RuntimeError, ValueError) as exc:
         os.close(fd)
-        _degraded.setdefault("serve_store", f"the store listens on every interface: {exc}")
+        _degraded.setdefault(
+            "serve_store",
+            "the store listens on every interface, and another local user could take its "
+            f"port in the moment between the product's socket closing and torch's bind: {exc}",
+        )
         return TCPStore(host, port, None, is_master=True, wait_for_workers=False)

@@ -40,7 +40,7 @@ from orchestrator_workers.protocol import (
     RankSpec,
     RemoteNode,
 )
-from orchestrator_workers.store import StoreServer, reserve_port
+from orchestrator_workers.store import StoreServer, listen_on, reserve_port
 
 CONCURRENCY_GROUPS = {"control": 4, "node": 2}
 """Calls that must be answered while a call runs: output and stacks ("control"); a node's
@@ -174,7 +174,7 @@ class RankActor:
             if reserved is None or reserved.getsockname()[1] != port:
                 if reserved is not None:
                     reserved.close()
-                reserved = reserve_port(self._node_ip, port)
+                reserved = listen_on(self._node_ip, port)
             self._store = StoreServer(reserved)
 
     @ray.method(concurrency_group="node")

@@ -21,13 +21,36 @@ from typing import Any
 from orchestrator_workers import _compat
 
 
-def reserve_port(host: str, port: int = 0) -> socket.socket:
-    """A TCP socket bound to `host`:`port` (0: one the OS picks), not yet listening."""
+def reserve_port(host: str) -> socket.socket:
+    """A TCP socket bound to a free port of `host`, not yet listening.
+
+    Without SO_REUSEADDR: Linux lets any user bind a port that a socket holds with it
+    and listen there first; held without it, nobody else can bind the port at all.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.set_inheritable(False)
+    sock.bind((host, 0))
+    return sock
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host`:`port` now, bound and listening in one step.
+
+    For a given port that this process no longer holds (SO_REUSEADDR: an earlier
+    store's connections may still be in TIME_WAIT there); listening at once leaves no
+    time in which a socket of another user could listen first.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.set_inheritable(False)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
