@@ -599,3 +599,87 @@ def test_a_sibling_container_runs_nothing_in_a_pool_s_ranks(cluster, tmp_path: P
     for said in (first, later):
         assert "served" not in said and "hung up" in said, said
     assert not marker.exists()
+
+
+@pytest.fixture
+def sticky_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A temp dir of this test's own that every user may write in, sticky, as /tmp is."""
+    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="sticky"))
+    folder.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@as_root
+def test_a_private_folder_made_anew_by_another_user_yields_nothing(sticky_tmp: Path) -> None:
+    """A /tmp cleaner removes orchestrator-UID while ranks live; another user makes one of
+    the same name, with a link to a file of ours, a FIFO and a readable file in it.
+    Nothing is read from it, written through it, or hangs on it."""
+    from orchestrator_workers import elastic, tail
+
+    ours = private.folder()
+    error_file = elastic.error_file()  # pinned while the folder is this user's
+    assert error_file.startswith("/proc/self/fd/")
+    elastic.prepare(error_file)
+    made = os.stat(ours / os.path.basename(error_file))
+    assert stat.S_IMODE(made.st_mode) == 0o600 and made.st_uid == os.getuid()
+    victim = sticky_tmp / "root-owned"
+    victim.write_text("precious")
+    shutil.rmtree(ours)  # the cleaner
+    name = os.path.basename(error_file)
+    tail_name = f"tail-{os.getpid()}.json"
+
+    def remake() -> bytes:
+        os.mkdir(ours, 0o777)
+        os.chmod(ours, 0o777)  # noqa: S103 - the attacker's folder, open to all
+        os.symlink(victim, ours / name)
+        os.mkfifo(ours / tail_name, 0o666)
+        fd = os.open(ours / "where", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"{}")
+        os.close(fd)
+        return b"done"
+
+    assert _as_other_user(remake) == b"done"
+    assert os.stat(ours).st_uid == OTHER
+    # torch's error file: the pinned folder is gone, so none is handed to torch at all.
+    assert elastic.error_file() == ""
+    # A keeper saving a dead rank's last words, and the driver reading them.
+    with pytest.raises(private.UnsafeFolderError):
+        private.write(ours / tail_name, "secret output")
+    started = time.monotonic()
+    assert tail.read_tail(str(ours / tail_name), 0.2) is None
+    assert time.monotonic() - started < 5  # the FIFO did not hang the read
+    with pytest.raises(private.UnsafeFolderError):
+        private.read_private(ours / "where")
+    with pytest.raises(private.UnsafeFolderError):
+        private.create(ours / "rank.json")
+    assert victim.read_text() == "precious"
+
+
+@as_root
+def test_torch_s_record_writes_into_our_0600_file_not_through_a_link(sticky_tmp: Path) -> None:
+    """torch's `record` opens TORCHELASTIC_ERROR_FILE by name, with mode 0644: the product
+    makes the file 0600 first, through its pinned folder."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from orchestrator_workers import elastic
+
+    error_file = elastic.error_file()
+    elastic.prepare(error_file)
+
+    @record
+    def fail() -> None:
+        raise ValueError("DB_PASSWORD=hunter2")
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(elastic.VAR, error_file)
+        with pytest.raises(ValueError, match="DB_PASSWORD"):
+            fail()
+    written = private.folder() / os.path.basename(error_file)
+    assert stat.S_IMODE(os.stat(written).st_mode) == 0o600
+    assert "DB_PASSWORD" in written.read_text()
+    assert not readable_by_other_user(written)
+    report = elastic.read(error_file, time.time() - 5)
+    assert report is not None and "DB_PASSWORD" in report.message

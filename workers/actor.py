@@ -266,7 +266,7 @@ class RankActor:
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return self._failure(exc, time.time(), setup=True)
         error_file = os.environ.get(elastic.VAR, "")
-        elastic.forget(error_file)  # an earlier call's (one a caught error left, too)
+        elastic.prepare(error_file)  # new and empty: an earlier call's (a caught error's) goes
         started = time.time()
         sampler = self._sampler if watched else None
         if sampler is not None:

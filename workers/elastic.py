@@ -18,31 +18,45 @@ from orchestrator_workers import private
 VAR = "TORCHELASTIC_ERROR_FILE"
 
 
-_known: dict[int, str] = {}
-"""This process's error file, once its folder was made or checked (by pid: a fork's differs)."""
+_pinned: dict[int, int] = {}
+"""This process's private folder, opened once it was checked (by pid: a fork's differs)."""
 
 
 def error_file() -> str:
-    """This rank process's error file, in this user's own folder ("" where it has none)."""
+    """This rank process's error file, in this user's own folder ("" where it has none).
+
+    The path goes through the folder's descriptor (/proc/self/fd/N/...), which torch
+    opens by name: if the folder is removed (a /tmp cleaner) and another user makes one
+    of the same name, torch still writes into this user's folder, never theirs. A removed
+    folder is made, checked and opened anew.
+    """
     pid = os.getpid()
-    known = _known.get(pid)
-    # Checked once: no other user can remove this user's 0700 folder from a sticky
-    # temp dir to plant their own; if it is gone (a cleaner), it is made and checked anew.
-    if known and os.path.isdir(os.path.dirname(known)):
-        return known
-    try:
-        path = str(private.folder() / f"torchelastic-error-{pid}.json")
-    except OSError:  # a folder another user made: torchrun's "" (no file) then
-        return ""
-    _known[pid] = path
-    return path
+    fd = _pinned.get(pid)
+    if fd is None or os.fstat(fd).st_nlink == 0:
+        try:
+            fd = private.pin(private.folder())
+        except OSError:  # a folder another user made: torchrun's "" (no file) then
+            return ""
+        old = _pinned.pop(pid, None)
+        if old is not None:
+            os.close(old)
+        _pinned[pid] = fd
+    return f"/proc/self/fd/{fd}/torchelastic-error-{pid}.json"
 
 
-def forget(path: str) -> None:
-    """Remove an earlier call's error file before the next call runs (ours only)."""
-    if path and os.path.basename(path).startswith("torchelastic-error-"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+def prepare(path: str) -> None:
+    """Before a call: this call's error file, made empty, 0600 and new (O_EXCL) in the
+    pinned folder, so that torch's `record` writes into the product's own file (torch
+    would make it 0644, and follow a link planted there)."""
+    fd = _pinned.get(os.getpid())
+    if not path or fd is None or not path.startswith(f"/proc/self/fd/{fd}/"):
+        return
+    name = os.path.basename(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=fd)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with contextlib.suppress(OSError):
+        os.close(os.open(name, flags, 0o600, dir_fd=fd))
 
 
 @dataclass(frozen=True)

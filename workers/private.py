@@ -93,22 +93,75 @@ def unsafe(path: Path, *, closed: bool = False) -> str | None:
     return None
 
 
+def pin(path: Path) -> int:
+    """A descriptor of the folder `path`, opened without following a link, once it is
+    checked to be this user's alone (0700): what is made or read through it stays in that
+    folder, even if the name is removed and another user makes one of the same name."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    found = os.fstat(fd)
+    if found.st_uid != os.getuid() or found.st_mode & 0o077:
+        os.close(fd)
+        raise UnsafeFolderError(
+            f"{path} is not this user's private folder (owner uid {found.st_uid}, mode "
+            f"{stat.S_IMODE(found.st_mode):o}): another user may have made it anew to read "
+            "or plant this user's files"
+        )
+    return fd
+
+
 def create(path: Path) -> int:
     """A new file at `path` (one already there is replaced), 0600, not through a symlink: its fd.
 
-    Only for paths in `folder()`, where nobody else can have put anything.
+    Only for paths in a folder of this user's alone: the folder is checked again now
+    (UnsafeFolderError if another user made it anew), and the file made through it.
     """
-    path.unlink(missing_ok=True)
+    folder = pin(path.parent)
+    try:
+        return _create(folder, path.name)
+    finally:
+        os.close(folder)
+
+
+def _create(folder: int, name: str) -> int:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=folder)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.open(path, flags, 0o600)
+    return os.open(name, flags, 0o600, dir_fd=folder)
 
 
 def write(path: Path, text: str) -> None:
-    """Replace `path`'s content with `text` at once: readers see the old file or the new one."""
-    partial = path.with_name(path.name + ".part")
-    with os.fdopen(create(partial), "w", encoding="utf-8") as out:
-        out.write(text)
-    partial.replace(path)
+    """Replace `path`'s content with `text` at once: readers see the old file or the new one.
+
+    The folder is checked again, as by `create`.
+    """
+    folder = pin(path.parent)
+    try:
+        partial = path.name + ".part"
+        with os.fdopen(_create(folder, partial), "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(partial, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+    finally:
+        os.close(folder)
+
+
+def remove(path: Path) -> None:
+    """Remove `path` if it is there, from a folder of this user's alone (checked again)."""
+    with contextlib.suppress(OSError):
+        folder = pin(path.parent)
+        try:
+            os.unlink(path.name, dir_fd=folder)
+        finally:
+            os.close(folder)
+
+
+def read_private(path: Path) -> str:
+    """`path`'s text, read as `read_trusted` does, from a folder checked again to be this
+    user's alone: a folder another user made anew yields UnsafeFolderError, never a read."""
+    folder = pin(path.parent)
+    try:
+        return _read(path, folder)
+    finally:
+        os.close(folder)
 
 
 def read_trusted(path: Path) -> str:
@@ -117,8 +170,13 @@ def read_trusted(path: Path) -> str:
     FileNotFoundError where there is none. The checks are made on the opened file, so
     the file cannot be swapped between check and read.
     """
+    return _read(path, None)
+
+
+def _read(path: Path, folder: int | None) -> str:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO never blocks
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path if folder is None else path.name, flags, dir_fd=folder)
     except OSError as exc:
         if os.path.islink(path):
             raise UntrustedFileError(f"{path} is a symlink") from exc

@@ -574,6 +574,7 @@ def _folder() -> Path:
     path = private.folder() / "where"
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
+    os.close(private.pin(path))  # this user's alone: its records are believed
     return path
 
 

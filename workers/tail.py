@@ -64,12 +64,12 @@ def frame(seq: int, stream: str, data: bytes) -> bytes:
 def read_tail(path: str, wait_s: float) -> list[tuple[int, str, str]] | None:
     """The saved chunks at `path` as (seq, stream, text), seq 0 for never-read bytes."""
     import json
+    from pathlib import Path
 
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            with open(path, encoding="utf-8") as file:
-                saved = json.load(file)
+        try:  # from this user's own folder alone: never another's file, link or FIFO
+            saved = json.loads(_private().read_private(Path(path)))
             return [(seq, stream, text) for seq, stream, text in saved]
         except (OSError, ValueError):
             if time.monotonic() >= deadline:
@@ -126,10 +126,10 @@ def _save(path: str, kept: Iterable[tuple[int, str, bytes]], out_fd: int, err_fd
     _private().write(target, json.dumps(saved))
     _sweep(target.parent)
     time.sleep(KEEP_S)
-    target.unlink(missing_ok=True)
+    _private().remove(target)
     # The dead rank's torchelastic error file (see orchestrator_workers.elastic), read by now.
     pid = target.stem.removeprefix("tail-")
-    (target.parent / f"torchelastic-error-{pid}.json").unlink(missing_ok=True)
+    _private().remove(target.parent / f"torchelastic-error-{pid}.json")
 
 
 def _sweep(folder: Path) -> None:
