@@ -683,3 +683,27 @@ def test_torch_s_record_writes_into_our_0600_file_not_through_a_link(sticky_tmp:
     assert not readable_by_other_user(written)
     report = elastic.read(error_file, time.time() - 5)
     assert report is not None and "DB_PASSWORD" in report.message
+
+
+@as_root
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_a_planted_shm_buffer_is_refused_and_left_to_its_owner() -> None:
+    """Another user's file at a call's /dev/shm name never becomes a rank's tensors (the
+    rank copies for itself instead), and the stale sweep leaves it alone."""
+    from orchestrator_workers import sharing
+
+    key = f"planted-{os.getpid()}"
+    path = sharing.SHM / f"{sharing.PREFIX}{key}"
+    path.write_bytes(b"\xff" * (1 << 16))
+    os.chown(path, OTHER, OTHER)
+    path.chmod(0o644)
+    try:
+        data = bytes(range(256)) * 64
+        (copy,) = sharing.private_buffers([memoryview(data)], [False], key, readers=2)
+        assert bytes(copy) == data
+        assert path.read_bytes() == b"\xff" * (1 << 16)
+        os.utime(path, (0, 0))  # long untouched
+        sharing.remove("", older_than=sharing.STALE_S)
+        assert path.exists()
+    finally:
+        path.unlink(missing_ok=True)

@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import stat
 import struct
 import time
 from collections.abc import Sequence
@@ -81,15 +82,16 @@ def remove(key_prefix: str, older_than: float = 0.0) -> None:
     cutoff = time.time() - older_than
     for path in SHM.glob(f"{PREFIX}{key_prefix}*"):
         with contextlib.suppress(OSError):
-            if not older_than or path.stat().st_mtime < cutoff:
-                path.unlink()
+            found = path.lstat()
+            if found.st_uid == os.getuid() and (not older_than or found.st_mtime < cutoff):
+                path.unlink()  # another user's files are theirs to remove
 
 
 def _map_shared(views: list[memoryview], key: str, readers: int) -> list[memoryview] | None:
     """Map this node's copy of `views`, writing it first if no rank has; None: no room."""
     offsets, end = _layout([v.nbytes for v in views])
     path = SHM / f"{PREFIX}{key}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    fd = _open(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         header = os.pread(fd, _HEADER.size, 0)
@@ -109,6 +111,29 @@ def _map_shared(views: list[memoryview], key: str, readers: int) -> list[memoryv
     finally:  # unlock first: the maps hold duplicates of `fd`, which would keep the lock
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _open(path: Path) -> int:
+    """The call's file: made new (O_EXCL) by the node's first rank; the others open it
+    without creating, and only if it is this user's alone (a planted file's bytes would
+    become a rank's tensors)."""
+    for _ in range(3):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:  # its last reader removed the name meanwhile
+            continue
+        found = os.fstat(fd)
+        if stat.S_ISREG(found.st_mode) and found.st_uid == os.getuid() and not (
+            found.st_mode & 0o077
+        ):
+            return fd
+        os.close(fd)
+        raise PermissionError(f"{path} is not this user's alone: not used")
+    raise FileNotFoundError(path)
 
 
 def _layout(sizes: list[int]) -> tuple[list[int], int]:
