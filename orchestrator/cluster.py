@@ -198,9 +198,19 @@ def head_temp_dir(*, lasting: bool, name: str = "ray") -> str | None:
     try:
         folder = private.folder(lasting=lasting)
         if len(str(folder / name)) > SOCKET_PATH_ROOM:
-            folder = private.folder(lasting=True)  # a long XDG_RUNTIME_DIR: the short temp dir
+            folder = private.folder(lasting=True)  # a long XDG_RUNTIME_DIR: the temp dir
+        if len(str(folder / name)) > SOCKET_PATH_ROOM:  # a long TMPDIR (a Slurm job's): /tmp
+            long = folder
+            folder = private.folder(short=True)
+            messages.say(
+                f"Ray's files go in {folder / name}, not {long / name}: Ray's socket paths "
+                f"must fit in 107 bytes, which leaves {SOCKET_PATH_ROOM} characters for its "
+                "folder (set TMPDIR or RAY_TMPDIR to a shorter folder of your own to choose)"
+            )
     except private.UnsafeFolderError as exc:
-        made = tempfile.mkdtemp(prefix="orchestrator-ray-")  # 0700, a name nobody can guess
+        short = len(tempfile.gettempdir()) + 25 <= SOCKET_PATH_ROOM
+        # 0700, a name nobody can guess
+        made = tempfile.mkdtemp(prefix="orchestrator-ray-", dir=None if short else "/tmp")  # noqa: S108
         messages.say(f"{exc}. Ray's files go in {made} instead")
         return made
     path = folder / name

@@ -212,3 +212,18 @@ def test_stale_cluster_file_starts_a_fresh_instance(fresh_env):
     _check(proc)
     assert "is gone; starting a fresh local one" in proc.stderr
     assert time.monotonic() - started < 60
+
+
+def test_a_long_tmpdir_falls_back_to_a_short_private_folder(fresh_env):
+    """A Slurm job's TMPDIR (/scratch/job_12345678/tmp and longer) leaves Ray's socket
+    paths no room under the private folder: Ray's files go in a short one, said in a line.
+    Without XDG_RUNTIME_DIR or RAY_TMPDIR, which would hide it."""
+    env, tmp = fresh_env
+    long = tmp / ("t" * (60 - len(str(tmp)) - 1))
+    long.mkdir(mode=0o700)
+    assert len(str(long)) == 60
+    env = {k: v for k, v in env.items() if k not in ("RAY_TMPDIR", "XDG_RUNTIME_DIR")}
+    proc = _run({**env, "TMPDIR": str(long)}, tmp)
+    _check(proc)
+    said = [line for line in proc.stderr.splitlines() if "Ray's socket paths" in line]
+    assert len(said) == 1 and f"not {long}/orchestrator-" in said[0], proc.stderr

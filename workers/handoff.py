@@ -95,7 +95,7 @@ class Door:
             listener.close()
             return
         self.name = name
-        threading.Thread(target=self._accept, args=(listener,), name="rank", daemon=True).start()
+        threading.Thread(target=self._accept, args=(listener,), name="door", daemon=True).start()
 
     def __repr__(self) -> str:
         """Never the key."""
@@ -111,7 +111,7 @@ class Door:
     def _accept(self, listener: socket.socket) -> None:
         while True:
             conn, _ = listener.accept()
-            threading.Thread(target=self._greet, args=(conn,), name="door", daemon=True).start()
+            threading.Thread(target=self._greet, args=(conn,), name="rank", daemon=True).start()
 
     def _greet(self, conn: socket.socket) -> None:
         """Serve `conn` if its first bytes are the key, within KEY_WAIT_S; else hang up."""

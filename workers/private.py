@@ -22,7 +22,11 @@ class UntrustedFileError(OSError):
     """A file that another user may have written: its owner, mode or type is wrong."""
 
 
-def folder(*, lasting: bool = False) -> Path:
+SHORT_TEMP = "/tmp"  # noqa: S108 - a folder of this user's alone is made there, and checked
+"""Where `folder(short=True)` goes: a TMPDIR may be too long for Ray's socket paths."""
+
+
+def folder(*, lasting: bool = False, short: bool = False) -> Path:
     """This user's own folder for the product's files: made 0700, else checked.
 
     $XDG_RUNTIME_DIR/orchestrator where the session has one (and `lasting` is False),
@@ -30,12 +34,14 @@ def folder(*, lasting: bool = False) -> Path:
     (the XDG folder is removed at logout) and must be found from any session. A folder
     that another user made, that others may write in, or a symlink is refused: its
     files could be read, planted or redirected by them.
+    `short`: in /tmp, whatever TMPDIR says, for paths that must stay short.
     """
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isdir(runtime) and not lasting:
+    if runtime and os.path.isdir(runtime) and not lasting and not short:
         path = Path(runtime) / "orchestrator"
     else:  # the shared temp dir: the uid in the name keeps users apart
-        path = Path(tempfile.gettempdir()) / f"orchestrator-{os.getuid()}"
+        temp = SHORT_TEMP if short else tempfile.gettempdir()
+        path = Path(temp) / f"orchestrator-{os.getuid()}"
     fix = "set TMPDIR to a folder of your own" if lasting or not runtime else "remove it"
     return _own(path, fix)
 

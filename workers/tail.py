@@ -141,6 +141,14 @@ def _sweep(folder: Path) -> None:
                 stale.unlink()
         except OSError:
             pass
+    for error_file in folder.glob("torchelastic-error-*.json"):  # of ranks gone without keeper
+        pid = error_file.name.removeprefix("torchelastic-error-").removesuffix(".json")
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            error_file.unlink(missing_ok=True)
+        except (OSError, ValueError):
+            pass
 
 
 if __name__ == "__main__":
