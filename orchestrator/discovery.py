@@ -135,14 +135,16 @@ def _plain_ray_start() -> tuple[str | None, Path | None]:
         return None, None
     host, _, port = address.rpartition(":")
     if is_this_machine(host):
-        owner = listener_uid(host, int(port))
-        if owner is None:  # nobody listens: the head is gone
+        owners = listener_uids(host, int(port))
+        if not owners:  # nobody listens: the head is gone
             remove_address_file(path, address)
             return None, path
-        if owner not in (os.getuid(), 0, -1):
+        others = sorted(owners - {os.getuid(), 0, -1})
+        if others:  # every address the name has must be ours: Ray may take any of them
+            uids = ", ".join(map(str, others))
             _ignore(
                 path,
-                f"it names {address}, where a process of uid {owner} listens, not this user "
+                f"it names {address}, where a process of uid {uids} listens, not this user "
                 f"(uid {os.getuid()}): that is not the Ray this file's writer started",
             )
             return None, None
@@ -189,15 +191,17 @@ def is_this_machine(host: str) -> bool:
     return False
 
 
-def listener_uid(host: str, port: int) -> int | None:
-    """The uid owning the socket that listens on `host:port` here; None if none; -1 unknown.
+def listener_uids(host: str, port: int) -> set[int]:
+    """The uids owning the sockets that listen on `port` at any address of `host` here.
 
-    Read from /proc/net/tcp and tcp6 (Linux). A socket on the wildcard address counts.
+    Empty if none listens; {-1} where it cannot be known. Read from /proc/net/tcp and tcp6
+    (Linux). A socket on the wildcard address counts.
     """
     tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
     if not tables[0].exists():
-        return -1  # not Linux: the record check above is all there is
+        return {-1}  # not Linux: the record check above is all there is
     wanted = {a for info in socket.getaddrinfo(host, None) for a in _hex_addresses(info)}
+    owners = set()
     for table in tables:
         with contextlib.suppress(OSError):
             for line in table.read_text().splitlines()[1:]:
@@ -205,8 +209,8 @@ def listener_uid(host: str, port: int) -> int | None:
                 local, state, uid = fields[1], fields[3], fields[7]
                 address, _, hex_port = local.rpartition(":")
                 if state == "0A" and int(hex_port, 16) == port and address in wanted:
-                    return int(uid)
-    return None
+                    owners.add(int(uid))
+    return owners
 
 
 def _hex_addresses(info: tuple) -> set[str]:

@@ -104,8 +104,9 @@ def test_an_address_file_or_record_of_another_uid_is_ignored(
     assert discovery.runtime_record(address) is None
 
 
-def squat_a_port() -> tuple[int, int]:
-    """(pid, port) of a process of uid 65534 listening on a port of its own, all interfaces.
+def squat_a_port(host: str = "0.0.0.0", port: int = 0) -> tuple[int, int]:  # noqa: S104
+    """(pid, port) of a process of uid 65534 listening on `host`:`port` (all interfaces, and
+    a port of its own, by default, as Ray's GCS listens).
 
     Forked rather than started: uid 65534 may not read this interpreter's files.
     """
@@ -115,7 +116,8 @@ def squat_a_port() -> tuple[int, int]:
         try:
             os.setgid(OTHER)
             os.setuid(OTHER)
-            server = socket.create_server(("0.0.0.0", 0))  # noqa: S104 - as Ray's GCS does
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            server = socket.create_server((host, port), family=family)
             os.write(write, str(server.getsockname()[1]).encode())
             time.sleep(120)
         finally:
@@ -137,7 +139,7 @@ def test_a_stale_address_file_naming_a_port_another_user_took_is_not_joined(
     squatter, port = squat_a_port()
     try:
         named.write_text(f"127.0.0.1:{port}")  # root's, 0644: yesterday's trust check passed it
-        assert discovery.listener_uid("127.0.0.1", port) == OTHER
+        assert discovery.listener_uids("127.0.0.1", port) == {OTHER}
         assert discovery.local_cluster() == (None, None)
         said = capsys.readouterr().err
         assert f"a process of uid {OTHER} listens" in said, said
@@ -148,6 +150,40 @@ def test_a_stale_address_file_naming_a_port_another_user_took_is_not_joined(
     # Its head gone and nobody listening: the next driver removes the stale name.
     assert discovery.local_cluster() == (None, named)
     assert not named.exists()
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs unshare for its own /etc/hosts")
+@as_root
+def test_an_address_file_naming_a_host_whose_other_address_another_user_holds_is_ignored(
+    ray_root: Path, tmp_path: Path
+) -> None:
+    """The file names a host with two addresses: at the first, this user's listener; at
+    the second, uid 65534's. Ray may connect to either, so every listener must be ours."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.1 twohomed\n::1 twohomed\n")
+    with socket.create_server(("127.0.0.1", 0)) as ours:
+        port = ours.getsockname()[1]
+        squatter, _ = squat_a_port("::1", port)
+        try:
+            (ray_root / "ray_current_cluster").write_text(f"twohomed:{port}")
+            look = (
+                "from orchestrator import discovery; "
+                f"print(sorted(discovery.listener_uids('twohomed', {port})), "
+                "discovery.local_cluster())"
+            )
+            env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+            seen = subprocess.run(
+                ["unshare", "--mount", "sh", "-c",
+                 'mount --bind "$1" /etc/hosts && exec "$2" -c "$3"', "-",
+                 str(hosts), sys.executable, look],
+                env=env, capture_output=True, text=True, timeout=60, check=True,
+            )
+        finally:
+            os.kill(squatter, signal.SIGKILL)
+            os.waitpid(squatter, 0)
+    assert seen.stdout.strip() == f"[0, {OTHER}] (None, None)", seen.stdout + seen.stderr
+    assert f"a process of uid {OTHER} listens" in seen.stderr, seen.stderr
+    assert f"twohomed:{port}" in seen.stderr
 
 
 def test_a_dead_runtime_s_record_and_address_file_are_removed(ray_root: Path) -> None:
