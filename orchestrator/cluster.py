@@ -44,10 +44,15 @@ def connect(address: str | None, *, min_cpus: float = 0, standalone: bool = Fals
             return _embedded
         given = None if standalone else address or os.environ.get("RAY_ADDRESS")
         live, stale = (None, None) if given or standalone else discovery.local_cluster()
+        if given:
+            probe.check_reachable(given, "address" if address else "RAY_ADDRESS")
+        elif live and (why := probe.problem(live)):  # found, not given: ours may be gone
+            messages.say(
+                f"not joining the Ray cluster found at {live} ({why}); starting a fresh local one"
+            )
+            live = None
         target = given or live
         if target:
-            if given:
-                probe.check_reachable(given, "address" if address else "RAY_ADDRESS")
             tokens.local_token(target)  # only where it is the local runtime's address
             ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
             return False

@@ -35,6 +35,11 @@ def connect_existing(address: str | None) -> None:
     given_as = "--address" if address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else ""
     if given_as:
         probe.check_reachable(target, given_as)
+    elif why := probe.problem(target):
+        raise LaunchError(
+            f"the Ray cluster found on this machine at {target} does not answer ({why}): "
+            "pass --address HOST:PORT of a live cluster, or start one with `ray start --head`"
+        )
     tokens.local_token(target)
     ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
 

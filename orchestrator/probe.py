@@ -9,8 +9,12 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 from orchestrator.errors import ClusterUnreachableError
+
+if TYPE_CHECKING:
+    import hpack
 
 REACH_TIMEOUT_S = 5.0
 """How long a given address may take to answer before the call fails (Ray retries for minutes)."""
@@ -25,48 +29,58 @@ def check_reachable(address: str, given_as: str) -> None:
     Ray itself retries a dead address for minutes, deaf to Ctrl-C and SIGTERM, and may
     then end the process. Addresses without a port ("auto", "local") are Ray's to read.
     """
+    why = problem(address)
+    if why is None:
+        return
+    local = "give no address to run on this machine"
+    if "does not answer as" in why:
+        fix = f"give the address of the cluster's head, or {local}"
+    else:
+        fix = (
+            "check that Ray runs there (`ray start --head` prints the address to give) and "
+            f"that this machine can reach it, or {local}"
+        )
+    raise ClusterUnreachableError(f"no Ray cluster at {given_as}={address!r}: {why}; {fix}")
+
+
+def problem(address: str) -> str | None:
+    """Why no Ray server answers at `address`, asked within seconds; None where one does."""
     scheme, _, host_port = address.rpartition("://")
     host, colon, port = host_port.rpartition(":")
     if not colon or not port.isdigit():
-        return
+        return None
     host = host.strip("[]")
-    where = f"no Ray cluster at {given_as}={address!r}"
-    local = "give no address to run on this machine"
-    fix = (
-        "check that Ray runs there (`ray start --head` prints the address to give) and that "
-        f"this machine can reach it, or {local}"
-    )
     try:
         with socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S) as sock:
             if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
-                return  # a TLS server waits for a TLS hello: the open port is all we ask
+                return None  # a TLS server waits for a TLS hello: the open port is all we ask
             sock.sendall(_H2_PREFACE)
             reply = sock.recv(9)
-            answers = len(reply) == 9 and reply[3] == 4  # SETTINGS
-            answers = answers and _answers_rpc(sock, host_port, int.from_bytes(reply[:3], "big"))
+            answer: str | None = "no HTTP/2 greeting"
+            if len(reply) == 9 and reply[3] == 4:  # SETTINGS
+                answer = _rpc_answer(sock, host_port, int.from_bytes(reply[:3], "big"))
     except TimeoutError:
-        tried = f"{host}:{port} did not answer within {REACH_TIMEOUT_S:g} s"
-        raise ClusterUnreachableError(f"{where}: {tried}; {fix}") from None
+        return f"{host}:{port} did not answer within {REACH_TIMEOUT_S:g} s"
     except OSError as exc:
-        tried = f"connecting to {host}:{port} failed ({exc.strerror or exc})"
-        raise ClusterUnreachableError(f"{where}: {tried}; {fix}") from None
-    if not answers:
-        kind = "Ray Client server (ray://)" if scheme else "GCS (`ray start --head --port`)"
-        raise ClusterUnreachableError(
-            f"{where}: {host}:{port} accepts connections but does not answer as a Ray {kind} "
-            f"would; give the address of the cluster's head, or {local}"
-        )
+        return f"connecting to {host}:{port} failed ({exc.strerror or exc})"
+    if answer is None:
+        return None
+    kind = "Ray Client server (ray://)" if scheme else "GCS (`ray start --head --port`)"
+    return f"{host}:{port} accepts connections but does not answer as a Ray {kind} would ({answer})"
 
 
-def _answers_rpc(sock: socket.socket, authority: str, skip: int) -> bool:
-    """Whether the HTTP/2 server on `sock` answers a gRPC call within REACH_TIMEOUT_S.
+def _rpc_answer(sock: socket.socket, authority: str, skip: int) -> str | None:
+    """None if the HTTP/2 server on `sock` answers a gRPC call within REACH_TIMEOUT_S; else
+    what it did instead.
 
-    Any answer counts, an error status included (the method is Ray's GCS's; a Ray Client
-    server says it has none, a GCS with token auth may refuse us): silence does not. A
-    server that only greets would otherwise hold Ray's connect for minutes, deaf to
-    signals. One call by hand (Ray ships no gRPC for Python): HEADERS, then an empty
-    message, on stream 1. `skip`: bytes of the server's first frame still unread.
+    A gRPC answer is HTTP/2 status 200 with content-type application/grpc, whatever its
+    gRPC status (the method is Ray's GCS's: a Ray Client server says it has none, a GCS
+    with token auth may refuse us). Any other HTTP/2 server (a 404, a reset, silence)
+    would hold Ray's connect for minutes, deaf to signals. One call by hand (Ray ships no
+    gRPC for Python): HEADERS, then an empty message, on stream 1. `skip`: bytes of the
+    server's first frame still unread.
     """
+    import hpack  # only here: decoding the answer's headers (Huffman-coded, indexed)
 
     def literal(name: bytes, value: bytes) -> bytes:  # HPACK, not indexed, new name
         return bytes([0, len(name)]) + name + bytes([len(value)]) + value
@@ -86,23 +100,46 @@ def _answers_rpc(sock: socket.socket, authority: str, skip: int) -> bool:
         + (5).to_bytes(3, "big") + bytes([0, 1]) + stream + b"\0\0\0\0\0"  # DATA, END_STREAM
     )
     deadline = time.monotonic() + REACH_TIMEOUT_S
-    buffer = b""
+    buffer = headers = b""
     while (left := deadline - time.monotonic()) > 0:
         sock.settimeout(left)
         try:
             chunk = sock.recv(4096)
         except OSError:
-            return False
+            return "no answer to a gRPC call"
         if not chunk:
-            return False
+            return "it hung up on a gRPC call"
         buffer += chunk
         dropped = min(skip, len(buffer))
         buffer, skip = buffer[dropped:], skip - dropped
-        while len(buffer) >= 9:
-            size, kind, number = int.from_bytes(buffer[:3], "big"), buffer[3], buffer[5:9]
-            if kind in (1, 3) and int.from_bytes(number, "big") & 0x7FFFFFFF == 1:
-                return True  # HEADERS (an answer) or RST_STREAM (a refusal) for our call
-            if kind == 7:  # GOAWAY: it speaks HTTP/2 and hung up on us, as a server does
-                return True
-            buffer = buffer[9 + size :]
-    return False
+        while len(buffer) >= 9 and len(buffer) >= 9 + (size := int.from_bytes(buffer[:3], "big")):
+            kind, flags, number = buffer[3], buffer[4], buffer[5:9]
+            payload, buffer = buffer[9 : 9 + size], buffer[9 + size :]
+            ours = int.from_bytes(number, "big") & 0x7FFFFFFF == 1
+            if kind == 7:  # GOAWAY
+                return "it hung up on a gRPC call (GOAWAY)"
+            if not ours:
+                continue
+            if kind == 3:  # RST_STREAM
+                return "it reset a gRPC call"
+            if kind == 1:  # HEADERS: [pad length] [priority] block [padding]
+                pad = payload[0] if flags & 0x8 else 0
+                payload = payload[(1 if flags & 0x8 else 0) + (5 if flags & 0x20 else 0) :]
+                headers += payload[: len(payload) - pad]
+            elif kind == 9:  # CONTINUATION
+                headers += payload
+            if kind in (1, 9) and flags & 0x4:  # END_HEADERS
+                return _grpc_headers(hpack.Decoder(), headers)
+    return "no answer to a gRPC call"
+
+
+def _grpc_headers(decoder: hpack.Decoder, block: bytes) -> str | None:
+    """None if the header `block` is a gRPC answer's; else what it says instead."""
+    try:
+        fields = {str(name): str(value) for name, value in decoder.decode(block, raw=False)}
+    except Exception:  # noqa: BLE001 - hpack's errors: not an answer we can read
+        return "headers that are not HTTP/2's"
+    status, kind = fields.get(":status", "?"), fields.get("content-type", "none")
+    if status == "200" and kind.startswith("application/grpc"):
+        return None
+    return f"it answered a gRPC call with HTTP status {status}, content-type {kind}"

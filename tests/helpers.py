@@ -3,13 +3,16 @@ files, waiting for a condition. Not collected: it holds no tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -61,3 +64,63 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"not {what} within {timeout} s")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def http2_server(status: str, content_type: str) -> Iterator[str]:
+    """An HTTP/2 server on 127.0.0.1 answering every call with `status` and `content_type`
+    (and gRPC's UNIMPLEMENTED): its address. A web or gRPC server that is not Ray's."""
+    import hpack
+
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+    fields = [(":status", status), ("content-type", content_type)]
+    if content_type.startswith("application/grpc"):
+        fields.append(("grpc-status", "12"))
+
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(10)
+            received, greeted = b"", False
+            while not _has_headers(received[24:]):  # the preface, SETTINGS, then a call
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                received += chunk
+                if len(received) >= 24 and not greeted:
+                    conn.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # SETTINGS
+                    greeted = True
+            block = hpack.Encoder().encode(fields)
+            conn.sendall(len(block).to_bytes(3, "big") + bytes([1, 5, 0, 0, 0, 1]) + block)
+            stop.wait(10)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        server.close()
+
+
+def _has_headers(data: bytes) -> bool:
+    """Whether the HTTP/2 frames at the start of `data` hold a whole HEADERS frame."""
+    at = 0
+    while at + 9 <= len(data):
+        end = at + 9 + int.from_bytes(data[at : at + 3], "big")
+        if end > len(data):
+            return False
+        if data[at + 3] == 1:
+            return True
+        at = end
+    return False

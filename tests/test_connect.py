@@ -9,6 +9,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+from orchestrator import probe
+from orchestrator.errors import ClusterUnreachableError
+from tests.helpers import http2_server
+
 ROOT = Path(__file__).resolve().parent.parent
 
 UNREACHABLE = textwrap.dedent("""\
@@ -44,7 +50,7 @@ UNREACHABLE = textwrap.dedent("""\
     threading.Thread(target=greet, daemon=True).start()
     addresses = ["127.0.0.1:1", f"127.0.0.1:{silent.getsockname()[1]}",
                  f"127.0.0.1:{other.getsockname()[1]}", f"127.0.0.1:{greeter.getsockname()[1]}",
-                 "ray://127.0.0.1:1", "env"]
+                 "ray://127.0.0.1:1", sys.argv[1], "env"]
     for address in addresses:
         if address == "env":
             os.environ["RAY_ADDRESS"] = "127.0.0.1:1"
@@ -65,21 +71,24 @@ def _env() -> dict[str, str]:
 def test_an_address_where_no_ray_answers_fails_within_seconds(tmp_path):
     script = tmp_path / "unreachable.py"
     script.write_text(UNREACHABLE)
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=120,
-        check=False,
-    )
+    with http2_server("404", "text/html") as web:
+        proc = subprocess.run(
+            [sys.executable, str(script), web], env=_env(), capture_output=True, text=True,
+            timeout=120, check=False,
+        )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 6, proc.stdout + proc.stderr
+    assert len(lines) == 7, proc.stdout + proc.stderr
     took = [float(line.split()[0]) for line in lines]
     assert max(took) < 10, lines
-    refused, silent, other, greeter, client, env = lines
+    refused, silent, other, greeter, client, web, env = lines
     assert "address='127.0.0.1:1'" in refused and "Connection refused" in refused
     assert "did not answer within 5 s" in silent
     assert "does not answer as a Ray GCS" in other
     assert "does not answer as a Ray GCS" in greeter  # Ray's connect would hang for minutes
     assert "address='ray://127.0.0.1:1'" in client
+    assert "does not answer as a Ray GCS" in web
+    assert "HTTP status 404, content-type text/html" in web
     assert "RAY_ADDRESS='127.0.0.1:1'" in env
     for line in lines:
         assert "`ray start --head`" in line or "head" in line  # says what to do
@@ -97,3 +106,31 @@ def test_the_command_line_fails_fast_on_an_unreachable_address(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "no Ray cluster at" in proc.stderr and "127.0.0.1:1" in proc.stderr, proc.stderr
     assert "never" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "answers"),
+    [
+        ("200", "application/grpc", True),  # any gRPC status: UNIMPLEMENTED here
+        ("200", "application/grpc+proto", True),
+        ("404", "text/html", False),  # a web server that speaks HTTP/2
+        ("200", "text/html", False),
+        ("503", "application/grpc", False),
+    ],
+)
+def test_only_a_grpc_answer_counts_as_ray(status: str, content_type: str, answers: bool) -> None:
+    """A server that answers a gRPC call with HTTP/2 but not as gRPC is not Ray's: Ray's own
+    connect would wait on it for minutes."""
+    with http2_server(status, content_type) as address:
+        found = probe.problem(address)
+        if answers:
+            assert found is None
+            probe.check_reachable(address, "address")
+            return
+        assert found == (
+            f"{address} accepts connections but does not answer as a Ray GCS (`ray start "
+            f"--head --port`) would (it answered a gRPC call with HTTP status {status}, "
+            f"content-type {content_type})"
+        )
+        with pytest.raises(ClusterUnreachableError, match="give the address of the cluster's"):
+            probe.check_reachable(address, "address")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import http2_server
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""\
@@ -118,6 +120,13 @@ FROM_THREADS = textwrap.dedent("""\
 """)
 
 
+ONE_RANK = textwrap.dedent("""\
+    from orchestrator import distribute
+
+    print("RESULT", distribute(lambda: 1, num_replicas=1)())
+""")
+
+
 def _run(
     env: dict[str, str], tmp: Path, source: str = SCRIPT
 ) -> subprocess.CompletedProcess[str]:
@@ -211,6 +220,25 @@ def test_stale_cluster_file_starts_a_fresh_instance(fresh_env):
     proc = _run(env, tmp)
     _check(proc)
     assert "is gone; starting a fresh local one" in proc.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_an_address_file_naming_a_server_that_is_not_ray_s_starts_a_fresh_instance(fresh_env):
+    """Ray's address file names this user's HTTP/2 server that answers 404: Ray's connect
+    would fail after about 27 s with a bare RuntimeError. Probed like a given address, it
+    is passed over in one line."""
+    env, tmp = fresh_env
+    (tmp / "ray").mkdir()
+    with http2_server("404", "text/html") as web:
+        (tmp / "ray" / "ray_current_cluster").write_text(f"{web}\n")
+        started = time.monotonic()
+        proc = _run(env, tmp, ONE_RANK)
+    assert proc.returncode == 0, proc.stderr
+    assert "RESULT [1]" in proc.stdout, proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "not joining" in line]
+    assert len(said) == 1, proc.stderr
+    assert f"the Ray cluster found at {web}" in said[0] and "HTTP status 404" in said[0]
+    assert "starting a fresh local one" in said[0]
     assert time.monotonic() - started < 60
 
 
