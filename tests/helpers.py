@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -124,3 +125,53 @@ def _has_headers(data: bytes) -> bool:
             return True
         at = end
     return False
+
+
+OTHER = 65534
+"""Another user: nobody, who needs no account to be made."""
+
+
+def readable_by_other_user(path: Path) -> bool:
+    """Whether uid 65534 can read `path` (its folders included)."""
+    probe = subprocess.run(
+        ["cat", str(path)],
+        user=OTHER,
+        group=OTHER,
+        extra_groups=[],
+        capture_output=True,
+        check=False,
+    )
+    return probe.returncode == 0
+
+
+SIBLING = [
+    "unshare",
+    "--pid",
+    "--mount",
+    "--fork",
+    "--mount-proc",
+    "setpriv",
+    "--bounding-set=-all",
+    "--inh-caps=-all",
+    "--no-new-privs",
+]
+"""A root container with host networking, as far as one process can be: its own pid and
+mount namespaces, every capability dropped, the same uid and network."""
+needs_namespaces = pytest.mark.skipif(
+    os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
+    reason="needs root, unshare and setpriv to act as a sibling container",
+)
+
+
+def sibling_attacks(marker: Path, for_s: float = 0) -> str:
+    """What tests/sibling_attack.py, run as a sibling container, printed (`for_s`: attack
+    every door it finds again and again for that long)."""
+    script = Path(__file__).with_name("sibling_attack.py")
+    done = subprocess.run(
+        [*SIBLING, sys.executable, str(script), str(marker), "2", str(for_s)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout

@@ -6,6 +6,7 @@ process keeps its own session cluster.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator_workers import private
-from tests.test_trust import readable_by_other_user
+from tests.helpers import needs_namespaces, readable_by_other_user, sibling_attacks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -206,6 +207,47 @@ def test_a_fresh_script_runs_its_ranks_in_warm_spares(runtime: Runtime) -> None:
     runtime.wait_ready(2)  # replaced in the background
     *_, cpus = runtime.status()
     assert cpus == "8 of 8"
+
+
+def _doors_of(pids: set[int]) -> set[str]:
+    """The abstract socket names the processes `pids` listen on, as /proc/net/unix has them."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    link = os.readlink(fd)
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+    names = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("@orchestrator-"):
+            names.add(fields[7][1:])
+    return names
+
+
+@needs_namespaces
+def test_a_sibling_container_runs_nothing_in_an_idle_spare(runtime: Runtime) -> None:
+    """A spare's door is open from its start, before any driver claims it: a sibling
+    container on the node's network sends it a call, and nothing runs; the spares then
+    serve a script as before."""
+    runtime.wait_ready(2)
+    spares = _spare_pids(runtime.tmp)
+    doors = _doors_of(spares)
+    assert len(doors) >= 2, spares
+    marker = runtime.tmp / "planted"
+    said = sibling_attacks(marker)
+    attacked = [line for line in said.splitlines() if line.split()[0] in doors]
+    assert len(attacked) == len(doors), (said, doors)  # every ready spare's door was tried
+    assert all(line.endswith(" hung up") for line in attacked), said
+    assert not marker.exists()
+    proc = runtime.driver()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    results = json.loads(next(x for x in out.splitlines() if x.startswith("RESULTS"))[8:])
+    assert [r[2] for r in results] == [3.0, 3.0] and {r[0] for r in results} <= spares
+    assert not marker.exists()
 
 
 def test_a_killed_script_frees_its_spares_and_cpus(runtime: Runtime) -> None:

@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,22 +28,9 @@ from orchestrator.errors import ConfigError
 from orchestrator.logs import Console
 from orchestrator_workers import handoff, private
 from orchestrator_workers.protocol import OutputChunk, Peer
+from tests.helpers import OTHER, needs_namespaces, readable_by_other_user, sibling_attacks
 
-OTHER = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
-
-
-def readable_by_other_user(path: Path) -> bool:
-    """Whether uid 65534 can read `path` (its folders included)."""
-    probe = subprocess.run(
-        ["cat", str(path)],
-        user=OTHER,
-        group=OTHER,
-        extra_groups=[],
-        capture_output=True,
-        check=False,
-    )
-    return probe.returncode == 0
 
 
 @pytest.fixture
@@ -558,38 +546,6 @@ def test_a_call_goes_to_no_door_but_the_rank_s_own_process() -> None:
     os.waitpid(pid, 0)
 
 
-SIBLING = [
-    "unshare",
-    "--pid",
-    "--mount",
-    "--fork",
-    "--mount-proc",
-    "setpriv",
-    "--bounding-set=-all",
-    "--inh-caps=-all",
-    "--no-new-privs",
-]
-"""A root container with host networking, as far as one process can be: its own pid and
-mount namespaces, every capability dropped, the same uid and network."""
-needs_namespaces = pytest.mark.skipif(
-    os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
-    reason="needs root, unshare and setpriv to act as a sibling container",
-)
-
-
-def _sibling_attacks(marker: Path) -> str:
-    """What tests/sibling_attack.py, run as a sibling container, printed."""
-    script = Path(__file__).with_name("sibling_attack.py")
-    done = subprocess.run(
-        [*SIBLING, sys.executable, str(script), str(marker), "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return done.stdout
-
-
 @needs_namespaces
 def test_a_sibling_container_on_the_node_network_runs_nothing_through_a_door(
     tmp_path: Path,
@@ -600,7 +556,7 @@ def test_a_sibling_container_on_the_node_network_runs_nothing_through_a_door(
     first rank is replaced) is not served next; a silent one does not hold the door."""
     door, calls = _served()
     marker = tmp_path / "planted"
-    said = _sibling_attacks(marker)
+    said = sibling_attacks(marker)
     assert f"{door.name} hung up" in said, said
     assert calls == [] and not marker.exists()
     # A connection that waits, silent, in the door's backlog, then the real hand.
@@ -629,14 +585,49 @@ def test_a_sibling_container_runs_nothing_in_a_pool_s_ranks(cluster, tmp_path: P
     fn = distribute(add, num_replicas=2, replicas_per_node=2)
     try:
         assert fn(2.0, pad=bytes(1 << 20)) == [3.0, 3.0]  # large: no call handed off yet
-        first = _sibling_attacks(marker)
+        first = sibling_attacks(marker)
         assert fn(2.0) == [3.0, 3.0]
-        later = _sibling_attacks(marker)
+        later = sibling_attacks(marker)
         assert fn(2.0) == [3.0, 3.0]
     finally:
         fn.shutdown()
     for said in (first, later):
         assert "served" not in said and "hung up" in said, said
+    assert not marker.exists()
+
+
+@needs_namespaces
+def test_a_sibling_container_runs_nothing_when_a_node_s_first_rank_is_replaced(
+    cluster, tmp_path: Path
+) -> None:
+    """The node's first rank (its hand) crashes and is replaced while the sibling attacks
+    every door, again and again: whatever waited in a door's backlog when the old hand's
+    link closed is not served next, and the new rank's door refuses it too."""
+    marker, crashed = tmp_path / "planted", tmp_path / "crashed"
+
+    def add(x: float, crash: bool = False) -> float:
+        if crash and os.environ["LOCAL_RANK"] == "0" and not os.path.exists(crashed):
+            open(crashed, "w").close()
+            os._exit(3)
+        return x + 1.0 + (1000.0 if os.path.exists(marker) else 0.0)
+
+    fn = distribute(add, num_replicas=2, replicas_per_node=2, max_restarts=1)
+    said: list[str] = []
+    try:
+        assert fn(2.0) == [3.0, 3.0]  # handed off: rank 0's link to rank 1's door is made
+        attacker = threading.Thread(target=lambda: said.append(sibling_attacks(marker, 8)))
+        attacker.start()
+        time.sleep(1)  # the sibling's first round is under way
+        assert fn(2.0, crash=True) == [3.0, 3.0]  # rank 0 is replaced, rank 1 kept
+        assert fn(2.0) == [3.0, 3.0]
+        attacker.join()
+        assert fn(2.0) == [3.0, 3.0]
+    finally:
+        fn.shutdown()
+    assert crashed.exists() and said, said
+    rounds = said[0].count("doors ")
+    assert rounds >= 2, said[0]
+    assert "served" not in said[0] and "hung up" in said[0], said[0]
     assert not marker.exists()
 
 
