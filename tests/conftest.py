@@ -1,23 +1,41 @@
-"""Shared fixtures: one real multi-node Ray cluster for the whole session."""
+"""Shared fixtures: one real multi-node Ray cluster for the whole session; the two lanes.
+
+A test that starts Ray, a cluster or any other process is marked `ray`, from its fixtures:
+`cluster` (and what builds on it), the modules' own boots, or `processes` for a test that
+starts processes of its own. `pytest -m "not ray"` runs the rest, the pure tests, alone; a
+test outside the `ray` lane that starts Ray or a process fails, saying which fixture to ask
+for.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 import shutil
-import signal
-import sys
+import subprocess
 import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-NODES = 2
-GPUS_PER_NODE = 2
-CPUS_PER_NODE = 4
+from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, NODES
+
+RAY_FIXTURES = frozenset(
+    {
+        "cluster",  # this file's session cluster, and fixtures built on it
+        "processes",  # a test that starts processes of its own
+        "two_hosts",  # test_two_hosts: network namespaces
+        "runtime",  # test_local_runtime: `orchestrator local start`
+        "private_env",
+        "fresh_env",  # test_embedded, test_inheritance: a private Ray temp dir for a script
+        "fresh_ray_dir",  # test_notebook
+        "torchrun_results",  # test_clients
+    }
+)
+"""Fixtures that start Ray or processes: a test that uses one is in the `ray` lane."""
+
 
 
 @pytest.fixture(scope="session")
@@ -42,39 +60,43 @@ def cluster() -> Iterator[Cluster]:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def wait_resources_back(timeout: float = 20.0) -> None:
-    """Wait until every CPU and GPU of the cluster is available again, or fail."""
-    deadline = time.monotonic() + timeout
-    while True:
-        total = ray.cluster_resources()
-        free = ray.available_resources()
-        if all(free.get(k, 0) == total.get(k, 0) for k in ("CPU", "GPU")):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"resources not released: total {total}, available {free}")
-        time.sleep(0.1)
+@pytest.fixture
+def processes() -> None:
+    """This test starts processes of its own (a subprocess, a fork, Ray): the `ray` lane."""
 
 
-def default_sigint(argv: list[str]) -> list[str]:
-    """`argv`, run with SIGINT's (and SIGHUP's) default disposition, as from a terminal.
-
-    Under nohup, or `cmd &` in a script, the suite starts with SIGINT (SIGHUP) ignored, and every
-    child would inherit that: a test that interrupts one, or compares what a process
-    inherits, runs it as a user's terminal would. (A disposition set to the default
-    survives exec; preexec_fn would be unsafe beside Ray's threads.)
-    """
-    reset = (
-        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-        "signal.signal(signal.SIGHUP, signal.SIG_DFL); "  # nohup ignores SIGHUP
-    )
-    return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `ray` every test whose fixtures start Ray or processes."""
+    for item in items:
+        if RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
 
 
-@contextlib.contextmanager
-def sigint_raises() -> Iterator[None]:
-    """In this process: SIGINT raises KeyboardInterrupt while inside, even if it was ignored."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+def _refuse(what: str, instead_of: Callable[..., object]) -> Callable[..., None]:
+    @functools.wraps(instead_of)  # its signature stays readable (compat checks read it)
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        pytest.fail(
+            f"this test starts {what} but is not in the `ray` lane: ask for the `processes` "
+            f"fixture (or one of {', '.join(sorted(RAY_FIXTURES))})",
+            pytrace=False,
+        )
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _pure_tests_start_nothing(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Outside the `ray` lane, starting Ray or a process fails the test."""
+    if request.node.get_closest_marker("ray") is not None:
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, what in (
+            (subprocess.Popen, "__init__", "a subprocess"),
+            (os, "fork", "a process (fork)"),
+            (os, "posix_spawn", "a process (posix_spawn)"),
+            (ray, "init", "Ray (ray.init)"),
+            (Cluster, "__init__", "a Ray cluster"),
+        ):
+            patch.setattr(owner, name, _refuse(what, getattr(owner, name)))
+        yield

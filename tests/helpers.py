@@ -7,9 +7,11 @@ import contextlib
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -17,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import ray
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 180
@@ -175,3 +178,107 @@ def sibling_attacks(marker: Path, for_s: float = 0) -> str:
         check=True,
     )
     return done.stdout
+
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+EXAMPLE_TIMEOUT_S = 240  # generous: a 2-core machine may be busy with other tests' clusters
+# Variables a launcher or an enclosing Ray session would leave; the examples must start fresh.
+_LAUNCHER_VARS = (
+    "RAY_ADDRESS",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def run_example(*argv: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run `examples/<argv>` from the repository root; fail with its output if it fails."""
+    ray_tmp = tempfile.mkdtemp(prefix="rx", dir="/tmp")  # short: Ray's socket paths live here
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env["RAY_TMPDIR"] = ray_tmp
+    # Unbuffered, print() writes text and newline apart: torchrun ranks sharing one pipe
+    # would interleave their lines.
+    env.pop("PYTHONUNBUFFERED", None)
+    cmd = [*launcher] if launcher else [sys.executable]
+    cmd += [f"examples/{argv[0]}", *argv[1:]]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so a hung run can be stopped with everything it started
+    )
+    try:
+        try:
+            out, err = proc.communicate(timeout=EXAMPLE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{cmd} did not finish in {EXAMPLE_TIMEOUT_S} s\n{_out_err(out, err)}")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    if proc.returncode != 0:
+        pytest.fail(f"{cmd} exited with {proc.returncode}\n{_out_err(out, err)}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _out_err(out: str, err: str) -> str:
+    return f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
+
+
+def message_lines(prefix: str = "") -> list[str]:
+    """What the message passing example prints on 4 ranks, each line after `prefix`."""
+    rank0 = [f"{prefix.format(0)}worker_0 sent data to Rank {n}" for n in range(1, 4)]
+    others = [f"{prefix.format(n)}worker_{n} has received data from rank 0" for n in range(1, 4)]
+    return sorted(rank0 + others)
+
+
+NODES = 2
+GPUS_PER_NODE = 2
+CPUS_PER_NODE = 4
+"""The session cluster's shape (tests/conftest.py): 2 nodes x 2 logical GPUs, 4 CPUs each."""
+
+
+def wait_resources_back(timeout: float = 20.0) -> None:
+    """Wait until every CPU and GPU of the cluster is available again, or fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        total = ray.cluster_resources()
+        free = ray.available_resources()
+        if all(free.get(k, 0) == total.get(k, 0) for k in ("CPU", "GPU")):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"resources not released: total {total}, available {free}")
+        time.sleep(0.1)
+
+
+def default_sigint(argv: list[str]) -> list[str]:
+    """`argv`, run with SIGINT's (and SIGHUP's) default disposition, as from a terminal.
+
+    Under nohup, or `cmd &` in a script, the suite starts with SIGINT (SIGHUP) ignored, and every
+    child would inherit that: a test that interrupts one, or compares what a process
+    inherits, runs it as a user's terminal would. (A disposition set to the default
+    survives exec; preexec_fn would be unsafe beside Ray's threads.)
+    """
+    reset = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "signal.signal(signal.SIGHUP, signal.SIG_DFL); "  # nohup ignores SIGHUP
+    )
+    return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
+
+
+@contextlib.contextmanager
+def sigint_raises() -> Iterator[None]:
+    """In this process: SIGINT raises KeyboardInterrupt while inside, even if it was ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -7,8 +7,7 @@ import torch
 
 from examples.checkpoint_resume import digest, latest_checkpoint, train
 from orchestrator import distribute
-
-from .conftest import wait_resources_back
+from tests.helpers import wait_resources_back
 
 
 def test_a_crashed_run_resumes_and_ends_with_the_uninterrupted_model(cluster, tmp_path):

@@ -24,8 +24,17 @@ from orchestrator.cli import main
 from orchestrator.errors import LaunchError
 from orchestrator.upload import DEFAULT_EXCLUDES, check_upload, measure
 from orchestrator_workers.script import Script, ScriptExit, run_script
-from tests.helpers import ROOT, TIMEOUT_S, cli, cli_env, show, write
-from tests.test_examples import TORCHRUN, message_lines, run_example
+from tests.helpers import (
+    ROOT,
+    TIMEOUT_S,
+    TORCHRUN,
+    cli,
+    cli_env,
+    message_lines,
+    run_example,
+    show,
+    write,
+)
 
 # --- the rank side, in this process (no Ray) ---------------------------------------------
 
@@ -112,7 +121,7 @@ def test_a_syntax_error_is_shown_before_anything_starts(tmp_path, monkeypatch, c
     assert 'broken.py", line 3' in err and "def train(:" in err and "SyntaxError" in err, err
 
 
-def test_size_guard_refuses_before_connecting(tmp_path):
+def test_size_guard_refuses_before_connecting(processes, tmp_path):
     project = write(tmp_path / "p", {"train.py": "print('never')\n"})
     (project / "data").mkdir()
     (project / "data" / "blob.bin").write_bytes(os.urandom(3 * 1024 * 1024))
@@ -233,7 +242,7 @@ def test_torchrun_spellings_and_a_script_outside_the_folder_on_a_cluster(cluster
     assert sorted(found) == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")], show(proc)
 
 
-def test_torchrun_spellings_on_this_machine_and_what_is_refused(tmp_path, capsys):
+def test_torchrun_spellings_on_this_machine_and_what_is_refused(processes, tmp_path, capsys):
     """On the embedded default a script elsewhere runs where it is, from the current folder."""
     write(
         tmp_path / "elsewhere",
@@ -350,7 +359,7 @@ CONTRACT = """\
 """
 
 
-def test_torchrun_s_contract_variables_and_record_reports(tmp_path):
+def test_torchrun_s_contract_variables_and_record_reports(processes, tmp_path):
     """Every variable torchrun's agent gives a worker, a rank gets too; and an entry point
     decorated with torch's `record` is reported from its error file, as torchrun does."""
     write(tmp_path, {"contract.py": CONTRACT})

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import distribute
-from tests.helpers import cli_env, show
-from tests.test_examples import TORCHRUN
+from tests.helpers import TORCHRUN, cli_env, show
 
 CLIENTS = ("lightning_trainer", "fabric_loop", "accelerate_loop")
 FOLDER = Path(__file__).resolve().parent / "clients"

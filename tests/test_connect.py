@@ -68,7 +68,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def test_an_address_where_no_ray_answers_fails_within_seconds(tmp_path):
+def test_an_address_where_no_ray_answers_fails_within_seconds(processes, tmp_path):
     script = tmp_path / "unreachable.py"
     script.write_text(UNREACHABLE)
     with http2_server("404", "text/html") as web:
@@ -94,7 +94,7 @@ def test_an_address_where_no_ray_answers_fails_within_seconds(tmp_path):
         assert "`ray start --head`" in line or "head" in line  # says what to do
 
 
-def test_the_command_line_fails_fast_on_an_unreachable_address(tmp_path):
+def test_the_command_line_fails_fast_on_an_unreachable_address(processes, tmp_path):
     (tmp_path / "train.py").write_text("print('never')\n")
     started = time.monotonic()
     proc = subprocess.run(

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator import JobTimeoutError, StallError, distribute
 from orchestrator.cli import main
-from tests.conftest import wait_resources_back
+from tests.helpers import wait_resources_back
 
 # --- without Ray ---------------------------------------------------------------------------
 

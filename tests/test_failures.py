@@ -13,8 +13,7 @@ import pytest
 from orchestrator import DistributedError, distribute, errors
 from orchestrator.errors import is_secondary
 from orchestrator_workers.protocol import RankFailure
-from tests.conftest import wait_resources_back
-from tests.helpers import cli, show, write
+from tests.helpers import cli, show, wait_resources_back, write
 
 # --- the root cause, without Ray ----------------------------------------------------------
 

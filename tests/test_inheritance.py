@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator import distribute, pool
 from orchestrator_workers.protocol import NodeInfo
-from tests.conftest import default_sigint
+from tests.helpers import default_sigint
 from tests.inherit_probe import TAG, facts
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ import pytest
 from ray.util import placement_group_table
 
 from orchestrator import BusyError, PlacementError, PlacementTimeoutError, distribute
+from tests.helpers import wait_resources_back
 
-from .conftest import wait_resources_back
 from .helpers import wait_for
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 
 from orchestrator import distribute
-from tests.conftest import wait_resources_back
+from tests.helpers import wait_resources_back
 
 
 def TORCH() -> str:

@@ -12,7 +12,7 @@ import ray
 from orchestrator import PlacementError, distribute, placement
 from orchestrator_workers import environment
 from orchestrator_workers.protocol import RankSpec
-from tests.conftest import GPUS_PER_NODE, wait_resources_back
+from tests.helpers import GPUS_PER_NODE, wait_resources_back
 
 # --- the layout, without Ray -------------------------------------------------------------
 

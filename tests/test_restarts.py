@@ -14,8 +14,8 @@ from ray.util import placement_group_table
 
 from orchestrator import DistributedError, PlacementError, distribute
 from orchestrator_workers import handoff
+from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 
-from .conftest import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 from .helpers import cli, show, write
 
 

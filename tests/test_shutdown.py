@@ -15,8 +15,7 @@ import pytest
 import ray
 
 from orchestrator import distribute
-from tests.conftest import sigint_raises, wait_resources_back
-from tests.helpers import ROOT, wait_for
+from tests.helpers import ROOT, sigint_raises, wait_for, wait_resources_back
 
 
 def test_shutdown_releases_everything_and_a_new_call_works(cluster):

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quick_soak_meets_every_target():
+def test_quick_soak_meets_every_target(processes):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run(

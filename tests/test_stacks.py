@@ -16,8 +16,7 @@ import pytest
 
 from orchestrator import JobTimeoutError, distribute
 from orchestrator.cli import main
-from tests.conftest import default_sigint, wait_resources_back
-from tests.helpers import cli_env, wait_for, write
+from tests.helpers import cli_env, default_sigint, wait_for, wait_resources_back, write
 
 
 def _deadlock() -> None:

@@ -20,7 +20,7 @@ import pytest
 from orchestrator import StallError, distribute, stall
 from orchestrator.summary import group_stacks, stacks_title
 from orchestrator_workers.progress import Frame, Where
-from tests.conftest import wait_resources_back
+from tests.helpers import wait_resources_back
 
 _LIB = "/usr/lib/python3/site-packages/torch/distributed"
 

@@ -14,7 +14,7 @@ import pytest
 from orchestrator import distribute
 from orchestrator.straggle import CONFIRM_S, MIN_LOOKS, Shares
 from orchestrator_workers.progress import BACKWARD, COMPUTE, Where
-from tests.conftest import wait_resources_back
+from tests.helpers import wait_resources_back
 
 LOADER = "at loader.py:88 in __getitem__ (`return load(i)`)"
 BACK = "in torch._tensor.backward at train.py:60"

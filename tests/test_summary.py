@@ -11,7 +11,7 @@ import pytest
 from orchestrator import DistributedError, distribute
 from orchestrator.notebook import RankRow, Table
 from orchestrator.summary import SUMMARY_FROM_RANKS, RankView, group, states_line
-from tests.conftest import wait_resources_back
+from tests.helpers import wait_resources_back
 
 # --- grouping, without Ray ------------------------------------------------------------------
 

@@ -118,6 +118,7 @@ def squat_a_port(host: str = "0.0.0.0", port: int = 0) -> tuple[int, int]:  # no
 
 @as_root
 def test_a_stale_address_file_naming_a_port_another_user_took_is_not_joined(
+    processes,
     ray_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Root's own address file, left by a stopped head, names a port that uid 65534 now
@@ -143,6 +144,7 @@ def test_a_stale_address_file_naming_a_port_another_user_took_is_not_joined(
 @pytest.mark.skipif(not shutil.which("unshare"), reason="needs unshare for its own /etc/hosts")
 @as_root
 def test_an_address_file_naming_a_host_whose_other_address_another_user_holds_is_ignored(
+    processes,
     ray_root: Path, tmp_path: Path
 ) -> None:
     """The file names a host with two addresses: at the first, this user's listener; at
@@ -174,7 +176,7 @@ def test_an_address_file_naming_a_host_whose_other_address_another_user_holds_is
     assert f"twohomed:{port}" in seen.stderr
 
 
-def test_a_dead_runtime_s_record_and_address_file_are_removed(ray_root: Path) -> None:
+def test_a_dead_runtime_s_record_and_address_file_are_removed(processes, ray_root: Path) -> None:
     """The next driver that finds the runtime dead removes both names it left."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -232,7 +234,9 @@ def test_a_log_dir_another_user_can_reach_into_is_refused_before_anything_starts
 
 
 @as_root
-def test_a_call_s_log_folder_is_new_unguessable_and_its_files_made_new(open_dir: Path) -> None:
+def test_a_call_s_log_folder_is_new_unguessable_and_its_files_made_new(
+    processes, open_dir: Path
+) -> None:
     """In a shared sticky folder: each call makes a fresh 0700 folder with a random name,
     and a rank's log is created new, never one someone planted."""
     shared = open_dir / "logs"
@@ -263,7 +267,7 @@ def test_a_call_s_log_folder_is_new_unguessable_and_its_files_made_new(open_dir:
     assert not readable_by_other_user(planted)
 
 
-def test_local_stop_signals_only_this_user_s_ray_start_for_that_address() -> None:
+def test_local_stop_signals_only_this_user_s_ray_start_for_that_address(processes) -> None:
     """A pid from a record or a broker is signalled only if it is our `ray start` there."""
     script = "import time; time.sleep(60)"
     lookalike = subprocess.Popen(
@@ -294,7 +298,7 @@ def _wait_for_exec(pid: int, mark: bytes) -> None:
 
 
 @as_root
-def test_local_stop_leaves_another_user_s_process_alone() -> None:
+def test_local_stop_leaves_another_user_s_process_alone(processes) -> None:
     theirs = subprocess.Popen(  # a shell that stays (it runs two commands), with that argv
         ["sh", "-c", "sleep 60; :", "start", "--head", "--block", "--port=6399"], user=OTHER
     )
@@ -317,7 +321,7 @@ def open_dir() -> Iterator[Path]:
 
 
 @as_root
-def test_another_user_reads_none_of_our_files(open_dir: Path) -> None:
+def test_another_user_reads_none_of_our_files(processes, open_dir: Path) -> None:
     """Private-folder files (keeper copies, the runtime's record and log) and rank logs."""
     mine = private.folder(lasting=True) / f"probe-{os.getpid()}.json"
     private.write(mine, "secret")
@@ -478,7 +482,7 @@ def _served() -> tuple[handoff.Door, list[bytes]]:
 
 
 @as_root
-def test_a_rank_takes_calls_from_its_own_user_alone() -> None:
+def test_a_rank_takes_calls_from_its_own_user_alone(processes) -> None:
     """A rank's door (see handoff) runs what comes through it: another user who connects
     is cut off before anything is read; the rank's own user is served."""
     door, calls = _served()
@@ -505,7 +509,7 @@ def test_a_rank_takes_calls_from_its_own_user_alone() -> None:
 
 
 @as_root
-def test_a_call_goes_to_no_door_but_the_rank_s_own_process() -> None:
+def test_a_call_goes_to_no_door_but_the_rank_s_own_process(processes) -> None:
     """The hand checks who holds a door before it sends a call (its arguments may be
     secret): not another process of this user, and not another user who took a dead
     rank's socket name. The rank counts as lost instead."""
@@ -548,6 +552,7 @@ def test_a_call_goes_to_no_door_but_the_rank_s_own_process() -> None:
 
 @needs_namespaces
 def test_a_sibling_container_on_the_node_network_runs_nothing_through_a_door(
+    processes,
     tmp_path: Path,
 ) -> None:
     """An abstract socket is reachable from every process in the network namespace, and
@@ -643,7 +648,9 @@ def sticky_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @as_root
-def test_a_private_folder_made_anew_by_another_user_yields_nothing(sticky_tmp: Path) -> None:
+def test_a_private_folder_made_anew_by_another_user_yields_nothing(
+    processes, sticky_tmp: Path
+) -> None:
     """A /tmp cleaner removes orchestrator-UID while ranks live; another user makes one of
     the same name, with a link to a file of ours, a FIFO and a readable file in it.
     Nothing is read from it, written through it, or hangs on it."""
@@ -689,7 +696,9 @@ def test_a_private_folder_made_anew_by_another_user_yields_nothing(sticky_tmp: P
 
 
 @as_root
-def test_torch_s_record_writes_into_our_0600_file_not_through_a_link(sticky_tmp: Path) -> None:
+def test_torch_s_record_writes_into_our_0600_file_not_through_a_link(
+    processes, sticky_tmp: Path
+) -> None:
     """torch's `record` opens TORCHELASTIC_ERROR_FILE by name, with mode 0644: the product
     makes the file 0600 first, through its pinned folder."""
     from torch.distributed.elastic.multiprocessing.errors import record

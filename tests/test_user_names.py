@@ -122,7 +122,7 @@ def _run(folder: Path, address: str | None, tmp: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("package", [False, True], ids=["workers.py", "workers-package"])
-def test_a_user_s_own_workers_on_this_machine(tmp_path, package):
+def test_a_user_s_own_workers_on_this_machine(processes, tmp_path, package):
     """distribute() from a script and `orchestrator run`, each on the embedded default."""
     _script(project(tmp_path / "script", package=package), None, tmp_path)
     _run(project(tmp_path / "run", package=package), None, tmp_path)
