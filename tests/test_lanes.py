@@ -13,7 +13,7 @@ def test_a_pure_test_that_starts_a_process_or_ray_fails() -> None:
     """`pytest -m "not ray"` stays pure: the guard in tests/conftest.py fails such a test."""
     for start in (
         lambda: subprocess.run(["true"], check=True),
-        lambda: os.fork(),
+        lambda: os.fork(),  # noqa: PLW0108 - looked up when called, as a user would
         lambda: ray.init(address="local"),
     ):
         with pytest.raises(pytest.fail.Exception, match="not in the `ray` lane"):
