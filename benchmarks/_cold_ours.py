@@ -20,7 +20,8 @@ from pathlib import Path
 STARTED = time.time()
 
 from benchmarks._jobs import trivial  # noqa: E402 - after the clock starts
-from orchestrator import cluster, distribute  # noqa: E402
+from orchestrator import distribute  # noqa: E402
+from orchestrator.connect import cluster  # noqa: E402
 
 IMPORTED = time.time()
 

@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable
 
-from orchestrator.logs import Console
+from orchestrator.show.logs import Console
 from orchestrator_workers.protocol import OutputChunk
 
 EPOCH_S = 1.0

@@ -16,7 +16,10 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator import channel, cluster, crash, messages
+from orchestrator import channel, crash
+from orchestrator.connect import cluster
+from orchestrator.diagnose.stall import StallReport, Watch
+from orchestrator.diagnose.straggle import Straggler
 from orchestrator.errors import (
     CRASH,
     JobTimeoutError,
@@ -26,14 +29,13 @@ from orchestrator.errors import (
     distributed_error,
     is_secondary,
 )
-from orchestrator.logs import Console
 from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
-from orchestrator.stall import StallReport, Watch
+from orchestrator.show import messages
+from orchestrator.show.logs import Console
+from orchestrator.show.status import Notice, StatusLine
 from orchestrator.states import State
-from orchestrator.status import Notice, StatusLine
-from orchestrator.straggle import Straggler
 from orchestrator_workers import sharing
 from orchestrator_workers.protocol import (
     EXIT_STREAM,

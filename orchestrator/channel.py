@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from orchestrator.fold import FOLD_FROM_RANKS
+from orchestrator.show.fold import FOLD_FROM_RANKS
 from orchestrator_workers.protocol import OutputChunk
 
 DRAIN_POLL_S = 30.0

@@ -13,12 +13,14 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 from typing_extensions import Unpack
 
-from orchestrator import cluster, notebook, shipping
+from orchestrator import shipping
+from orchestrator.connect import cluster
+from orchestrator.diagnose.stall import STALL_AFTER_S
 from orchestrator.job import Job, stop_all
-from orchestrator.logs import DEFAULT_PREFIX, read_log
 from orchestrator.options import CallOptions, Options
 from orchestrator.runner import Runner
-from orchestrator.stall import STALL_AFTER_S
+from orchestrator.show import notebook
+from orchestrator.show.logs import DEFAULT_PREFIX, read_log
 
 P = ParamSpec("P")
 R = TypeVar("R")

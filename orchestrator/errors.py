@@ -31,7 +31,7 @@ from typing import Any
 
 import cloudpickle
 
-from orchestrator.logs import read_log
+from orchestrator.show.logs import read_log
 from orchestrator_workers.protocol import RankFailure
 
 CRASH = "crash"

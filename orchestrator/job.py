@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from orchestrator import messages
 from orchestrator.errors import describe, summary
-from orchestrator.fold import rank_label
-from orchestrator.logs import read_log
-from orchestrator.notebook import CellOutput, RankRow, Table
+from orchestrator.show import messages
+from orchestrator.show.fold import rank_label
+from orchestrator.show.logs import read_log
+from orchestrator.show.notebook import CellOutput, RankRow, Table
+from orchestrator.show.summary import SUMMARY_FROM_RANKS, states_line
 from orchestrator.states import State
-from orchestrator.summary import SUMMARY_FROM_RANKS, states_line
 from orchestrator_workers.protocol import WAITING
 
 if TYPE_CHECKING:

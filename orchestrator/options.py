@@ -18,10 +18,10 @@ from typing import Any, Literal, TypedDict
 from typing_extensions import Unpack
 
 from orchestrator import placement
+from orchestrator.diagnose.stall import STALL_AFTER_S
 from orchestrator.errors import ConfigError
-from orchestrator.fold import FOLD_FROM_RANKS
-from orchestrator.logs import DEFAULT_PREFIX, unsafe_log_dir
-from orchestrator.stall import STALL_AFTER_S
+from orchestrator.show.fold import FOLD_FROM_RANKS
+from orchestrator.show.logs import DEFAULT_PREFIX, unsafe_log_dir
 from orchestrator_workers import private
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -17,10 +17,12 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import cluster, local, messages, notices, placement
+from orchestrator import placement
 from orchestrator.channel import RankChannel, rank_stacks
+from orchestrator.connect import cluster, local
 from orchestrator.errors import PlacementTimeoutError, StopRequested
 from orchestrator.placement import Request
+from orchestrator.show import messages, notices
 from orchestrator.states import State
 from orchestrator_workers import environment, handoff
 from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor

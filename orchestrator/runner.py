@@ -18,7 +18,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from orchestrator import call, cluster, logs, messages, placement, shipping
+from orchestrator import call, placement, shipping
+from orchestrator.connect import cluster
 from orchestrator.errors import (
     CRASH,
     BusyError,
@@ -31,6 +32,7 @@ from orchestrator.job import Job
 from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
+from orchestrator.show import logs, messages
 from orchestrator.states import State
 from orchestrator_workers import environment
 

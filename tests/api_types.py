@@ -11,13 +11,7 @@ from pathlib import Path
 
 from typing_extensions import assert_type
 
-from orchestrator import (
-    DistributedError,
-    Job,
-    RankFailure,
-    default_log_dir,
-    distribute,
-)
+from orchestrator import DistributedError, Job, RankFailure, default_log_dir, distribute
 
 
 def train(epochs: int, lr: float = 0.1) -> float:

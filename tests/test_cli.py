@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
+from orchestrator.cli.upload import DEFAULT_EXCLUDES, check_upload, measure
 from orchestrator.errors import LaunchError
-from orchestrator.upload import DEFAULT_EXCLUDES, check_upload, measure
 from orchestrator_workers.script import Script, ScriptExit, run_script
 from tests.helpers import (
     ROOT,
@@ -321,7 +321,7 @@ def test_nodes_lists_each_node_with_cpus_and_gpus(cluster, tmp_path):
 
 def test_path_checks_follow_dots_and_symlinks(tmp_path, monkeypatch):
     """What the working dir holds is decided on resolved paths, as the ranks open them."""
-    from orchestrator.launch import RunOptions, script_for
+    from orchestrator.cli.launch import RunOptions, script_for
 
     write(tmp_path, {"outside.py": "", "proj/inside.py": "", "proj/sub/x.py": ""})
     project = tmp_path / "proj"

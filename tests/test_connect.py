@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import probe
+from orchestrator.connect import probe
 from orchestrator.errors import ClusterUnreachableError
 from tests.helpers import http2_server
 

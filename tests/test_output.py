@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from orchestrator import DistributedError, distribute
-from orchestrator.logs import PARTIAL_DELAY_S, PROGRESS_INTERVAL_S, Console
+from orchestrator.show.logs import PARTIAL_DELAY_S, PROGRESS_INTERVAL_S, Console
 from orchestrator_workers.protocol import OutputChunk
 
 # --- the driver's console, without Ray ----------------------------------------------------
@@ -105,7 +105,7 @@ def test_driver_messages_go_through_logging(capsys):
     """Shown on stderr by default; silenced or redirected with standard logging."""
     import logging
 
-    from orchestrator import messages
+    from orchestrator.show import messages
 
     log = logging.getLogger("orchestrator")
     messages.say("hello")
@@ -156,7 +156,7 @@ def test_status_line_of_a_quiet_call(capsys, monkeypatch):
     or redrawn in place on a terminal; ORCHESTRATOR_STATUS=0 or logging turn it off."""
     import logging
 
-    from orchestrator import messages, status
+    from orchestrator.show import messages, status
 
     line = status.StatusLine("train", 4, started=100.0)
     line._in_place = False
@@ -317,7 +317,7 @@ def test_tqdm_bar_on_rank_0_gives_a_bounded_number_of_lines(cluster, capfd):
 def test_a_quiet_call_shows_a_status_line_and_a_table(cluster, capfd, monkeypatch):
     """Ranks silent past the quiet time: one status line on stderr (not a terminal here);
     the job's table has every rank, its node, state and last line."""
-    from orchestrator import status
+    from orchestrator.show import status
 
     monkeypatch.setattr(status, "QUIET_S", 1.0)
 

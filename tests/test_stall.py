@@ -17,8 +17,9 @@ import time
 
 import pytest
 
-from orchestrator import StallError, distribute, stall
-from orchestrator.summary import group_stacks, stacks_title
+from orchestrator import StallError, distribute
+from orchestrator.diagnose import stall
+from orchestrator.show.summary import group_stacks, stacks_title
 from orchestrator_workers.progress import Frame, Where
 from tests.helpers import wait_resources_back
 

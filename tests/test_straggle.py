@@ -12,7 +12,7 @@ import time
 import pytest
 
 from orchestrator import distribute
-from orchestrator.straggle import CONFIRM_S, MIN_LOOKS, Shares
+from orchestrator.diagnose.straggle import CONFIRM_S, MIN_LOOKS, Shares
 from orchestrator_workers.progress import BACKWARD, COMPUTE, Where
 from tests.helpers import wait_resources_back
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from orchestrator import DistributedError, distribute
-from orchestrator.notebook import RankRow, Table
-from orchestrator.summary import SUMMARY_FROM_RANKS, RankView, group, states_line
+from orchestrator.show.notebook import RankRow, Table
+from orchestrator.show.summary import SUMMARY_FROM_RANKS, RankView, group, states_line
 from tests.helpers import wait_resources_back
 
 # --- grouping, without Ray ------------------------------------------------------------------

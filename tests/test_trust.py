@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster, discovery, distribute, logs
+from orchestrator import distribute
+from orchestrator.connect import cluster, discovery
 from orchestrator.errors import ConfigError
-from orchestrator.logs import Console
+from orchestrator.show import logs
+from orchestrator.show.logs import Console
 from orchestrator_workers import handoff, private
 from orchestrator_workers.protocol import OutputChunk, Peer
 from tests.helpers import OTHER, needs_namespaces, readable_by_other_user, sibling_attacks
@@ -157,7 +159,7 @@ def test_an_address_file_naming_a_host_whose_other_address_another_user_holds_is
         try:
             (ray_root / "ray_current_cluster").write_text(f"twohomed:{port}")
             look = (
-                "from orchestrator import discovery; "
+                "from orchestrator.connect import discovery; "
                 f"print(sorted(discovery.listener_uids('twohomed', {port})), "
                 "discovery.local_cluster())"
             )

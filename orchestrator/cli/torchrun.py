@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import placement
-from orchestrator.cluster import Node
+from orchestrator.connect.cluster import Node
 from orchestrator.errors import LayoutError
 
 SYMBOLIC = ("gpu", "cpu", "auto")

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from orchestrator import messages
-from orchestrator.notebook import clock
-from orchestrator.summary import states_line
+from orchestrator.show import messages
+from orchestrator.show.notebook import clock
+from orchestrator.show.summary import states_line
 
 logger = logging.getLogger("orchestrator.status")
 QUIET_S = 10.0

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import _ray_compat, discovery, messages, notices, probe, tokens
+from orchestrator import _ray_compat
+from orchestrator.connect import discovery, probe, tokens
 from orchestrator.errors import ConfigError
+from orchestrator.show import messages, notices
 from orchestrator_workers import private
 
 _lock = threading.Lock()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator import summary
+from orchestrator.show import summary
 
 MAX_LINES = 1000
 """Lines a cell shows at most; older ones are only in the job's log files."""

@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator import messages
+from orchestrator.show import messages
 from orchestrator_workers import private
 
 ADDRESS_FILE = "ray_current_cluster"

@@ -7,8 +7,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from orchestrator import cluster, launch, local, lookup, torchrun, upload
-from orchestrator.attach import attach
+from orchestrator.cli import launch, lookup, torchrun, upload
+from orchestrator.cli.attach import attach
+from orchestrator.connect import cluster, local
 from orchestrator.errors import LaunchError, OrchestratorError
 from orchestrator_workers import private
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from orchestrator import messages
-from orchestrator.fold import Folded, Folder, fold_by_default, rank_label
+from orchestrator.show import messages
+from orchestrator.show.fold import Folded, Folder, fold_by_default, rank_label
 from orchestrator_workers import private
 from orchestrator_workers.protocol import RAY_MARKERS, OutputChunk
 

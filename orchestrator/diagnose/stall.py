@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import ray
 from ray.exceptions import RayError
 
-from orchestrator.fold import rank_label
-from orchestrator.notebook import clock
-from orchestrator.straggle import Shares
+from orchestrator.diagnose.straggle import Shares
+from orchestrator.show.fold import rank_label
+from orchestrator.show.notebook import clock
 from orchestrator_workers.progress import UNSEEN, Frame, Place, Where, place_of
 
 if TYPE_CHECKING:

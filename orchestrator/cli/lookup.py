@@ -11,13 +11,15 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from orchestrator import cluster, local, messages, probe, stall, tokens
 from orchestrator.channel import rank_stacks
-from orchestrator.discovery import cluster_address
+from orchestrator.cli.upload import format_size
+from orchestrator.connect import cluster, local, probe, tokens
+from orchestrator.connect.discovery import cluster_address
+from orchestrator.diagnose import stall
 from orchestrator.errors import LaunchError
 from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
-from orchestrator.summary import group_stacks, stacks_title
-from orchestrator.upload import format_size
+from orchestrator.show import messages
+from orchestrator.show.summary import group_stacks, stacks_title
 
 
 def connect_existing(address: str | None) -> None:

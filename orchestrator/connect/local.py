@@ -23,8 +23,10 @@ from typing import Any
 
 import ray
 
-from orchestrator import _ray_compat, cluster, discovery, messages, tokens
+from orchestrator import _ray_compat
+from orchestrator.connect import cluster, discovery, tokens
 from orchestrator.errors import ConfigError, LocalRuntimeError
+from orchestrator.show import messages
 from orchestrator_workers import private
 from orchestrator_workers.spares import (
     BROKER_NAME,

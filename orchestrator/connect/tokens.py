@@ -7,7 +7,8 @@ import os
 import secrets
 from pathlib import Path
 
-from orchestrator import _ray_compat, discovery
+from orchestrator import _ray_compat
+from orchestrator.connect import discovery
 
 
 def ensure_token(error: type[Exception]) -> None:

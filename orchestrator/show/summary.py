@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from orchestrator.fold import fold_lines, rank_label
+from orchestrator.show.fold import fold_lines, rank_label
 
 SUMMARY_FROM_RANKS = 16
 """From this many ranks a table summarizes: 16 rows still fit a screen, 32 do not."""

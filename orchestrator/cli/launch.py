@@ -13,19 +13,13 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import (
-    _ray_compat,
-    cluster,
-    discovery,
-    messages,
-    placement,
-    probe,
-    torchrun,
-    upload,
-)
+from orchestrator import _ray_compat, placement
+from orchestrator.cli import torchrun, upload
+from orchestrator.connect import cluster, discovery, probe
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, LaunchError
 from orchestrator.options import clean_name
+from orchestrator.show import messages
 from orchestrator_workers.script import Script, ScriptExit, run_script
 
 EXIT_FAILED = 1

@@ -1,0 +1,1 @@
+"""Reading where ranks are and how fast they move: stall and straggler reports."""
