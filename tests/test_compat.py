@@ -110,3 +110,9 @@ def test_no_touch_fell_back_in_this_process():
     assert compat.degraded() == {}
     assert rank_compat.degraded() == {}
     assert os.environ.get("RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES") is None
+
+
+def test_nvml_bindings_and_the_flight_recorder_are_where_the_probes_expect_them(processes):
+    assert rank_compat.nvml() is not None  # not initialized: no GPU needed
+    assert rank_compat.flight_recorder() is not None  # torch starts a process on import
+    assert not {"nvml", "flight_recorder"} & set(rank_compat.degraded())

@@ -20,7 +20,8 @@ import pytest
 from orchestrator import StallError, distribute
 from orchestrator.diagnose import stall
 from orchestrator.show.summary import group_stacks, stacks_title
-from orchestrator_workers.progress import Frame, Where
+from orchestrator_workers.places import Frame
+from orchestrator_workers.where import Where
 from tests.helpers import wait_resources_back
 
 _LIB = "/usr/lib/python3/site-packages/torch/distributed"

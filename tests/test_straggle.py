@@ -13,7 +13,8 @@ import pytest
 
 from orchestrator import distribute
 from orchestrator.diagnose.straggle import CONFIRM_S, MIN_LOOKS, Shares
-from orchestrator_workers.progress import BACKWARD, COMPUTE, Where
+from orchestrator_workers.places import BACKWARD, COMPUTE
+from orchestrator_workers.where import Where
 from tests.helpers import wait_resources_back
 
 LOADER = "at loader.py:88 in __getitem__ (`return load(i)`)"

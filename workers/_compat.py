@@ -12,7 +12,8 @@ import functools
 import inspect
 import os
 import socket
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _degraded: dict[str, str] = {}
@@ -123,3 +124,54 @@ def serve_store(sock: socket.socket) -> Any:
             f"port in the moment between the product's socket closing and torch's bind: {exc}",
         )
         return TCPStore(host, port, None, is_master=True, wait_for_workers=False)
+
+
+NVML_CALLS = ("nvmlInit", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetUtilizationRates")
+"""What a rank asks of NVML (see `probes.gpu_busy`)."""
+
+
+def nvml() -> Any:
+    """NVML's Python bindings, not initialized: nvidia-ml-py where the user has it, else
+    the copy Ray ships in its private `ray._private.thirdparty`.
+
+    Degraded (None): a rank's record shows no GPU busy share.
+    """
+    with warnings.catch_warnings():  # the old pynvml package warns on import
+        warnings.simplefilter("ignore")
+        try:
+            import pynvml  # nvidia-ml-py, where the user has it
+        except ImportError:
+            try:
+                from ray._private.thirdparty import pynvml
+            except ImportError as exc:
+                _degraded.setdefault("nvml", f"no NVML bindings, and none in Ray: {exc}")
+                return None
+    missing = [name for name in NVML_CALLS if not hasattr(pynvml, name)]
+    if missing:
+        _degraded.setdefault("nvml", f"{pynvml.__name__} lacks {', '.join(missing)}")
+        return None
+    return pynvml
+
+
+def flight_recorder() -> Callable[[bool, bool, bool], bytes] | None:
+    """torch's flight recorder of this process's collectives, as a function that returns
+    it pickled (arguments: include collectives, stack traces, only active ones).
+
+    A recent torch records gloo's and NCCL's collectives (`_dump_fr_trace`); an older
+    one NCCL's only (`_dump_nccl_trace`). Degraded (the older one): a stall's report
+    names no gloo collective; (neither, None): it names none.
+    """
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError as exc:
+        _degraded.setdefault("flight_recorder", str(exc))
+        return None
+    dump: Callable[[bool, bool, bool], bytes] | None = getattr(c10d, "_dump_fr_trace", None)
+    if dump is None:
+        dump = getattr(c10d, "_dump_nccl_trace", None)
+        _degraded.setdefault(
+            "flight_recorder",
+            "torch has no _dump_fr_trace"
+            + (": only NCCL's collectives are named" if dump else " nor _dump_nccl_trace"),
+        )
+    return dump

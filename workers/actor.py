@@ -23,7 +23,6 @@ from orchestrator_workers import (
     elastic,
     environment,
     handoff,
-    progress,
     script,
     sharing,
     stacks,
@@ -40,7 +39,10 @@ from orchestrator_workers.protocol import (
     RankSpec,
     RemoteNode,
 )
+from orchestrator_workers.sampler import Sampler
 from orchestrator_workers.store import StoreServer, listen_on, reserve_port
+from orchestrator_workers.where import Where
+from orchestrator_workers.where import read as read_where
 
 CONCURRENCY_GROUPS = {"control": 4, "node": 2}
 """Calls that must be answered while a call runs: output and stacks ("control"); a node's
@@ -80,7 +82,7 @@ class RankActor:
         self._packed_spec = b""
         self._spec: RankSpec | None = None
         self._capture = Capture()
-        self._sampler = progress.Sampler()
+        self._sampler = Sampler()
         self._door = handoff.Door(self._serve_call)
         self._hand = handoff.Hand()
         self._packed_peers = b""
@@ -134,10 +136,10 @@ class RankActor:
         return stacks.current_stacks()
 
     @ray.method(concurrency_group="control")
-    def where(self, pids: dict[int, int] | None = None) -> list[progress.Where]:
+    def where(self, pids: dict[int, int] | None = None) -> list[Where]:
         """Where each rank of this node (rank -> pid; default: this rank) was when it last
-        looked (see progress)."""
-        return progress.read(pids if pids is not None else {self._rank: os.getpid()})
+        looked (see sampler)."""
+        return read_where(pids if pids is not None else {self._rank: os.getpid()})
 
     def open_store(self) -> int:
         """Reserve the next call's rendezvous port (nothing listens there until the call

@@ -134,7 +134,7 @@ def rank_env(spec: RankSpec, error_file: str = "") -> dict[str, str]:
         "OMP_NUM_THREADS": str(default_threads(spec)),
         "ORCHESTRATOR_NODE_IP": spec.node_ip,
         # torch's flight recorder, on unless set otherwise: the last collective of a rank
-        # that stopped moving is in a stall's report (see progress). A ring of small
+        # that stopped moving is in a stall's report (see probes). A ring of small
         # entries, read only then; no cost measured (benchmarks/bench_diagnose.py).
         RECORDER_VAR: os.environ.get(RECORDER_VAR, RECORDER_SIZE),
     }

@@ -1,7 +1,7 @@
 """A call that stopped moving: which ranks are where, the odd ones out first.
 
 Each rank looks at its own function thread five times a second (see
-`orchestrator_workers.progress`); `Watch` reads those looks one rank per node, every few
+`orchestrator_workers.sampler`); `Watch` reads those looks one rank per node, every few
 seconds once a call has run a while. A rank makes progress while its stack changes, its
 last collective moves on, or it writes output; a rank at a breakpoint is left out. Once
 ranks have made none for `stall_after` seconds, `StallReport` says who is where and for
@@ -24,7 +24,8 @@ from ray.exceptions import RayError
 from orchestrator.diagnose.straggle import Shares
 from orchestrator.show.fold import rank_label
 from orchestrator.show.notebook import clock
-from orchestrator_workers.progress import UNSEEN, Frame, Place, Where, place_of
+from orchestrator_workers.places import UNSEEN, Frame, Place, place_of
+from orchestrator_workers.where import Where
 
 if TYPE_CHECKING:
     from orchestrator.pool import Pool

@@ -1,7 +1,7 @@
 """Ranks slower than their peers, named while the job runs, with where their time goes.
 
 Each rank counts where its function is, five looks a second (places and phases, see
-`orchestrator_workers.progress`); the driver reads the counts one rank per node. Over
+`orchestrator_workers.sampler`); the driver reads the counts one rank per node. Over
 the last `WINDOW_S`, a rank that spends a share of its time at one place that is
 `EXCESS` or more above its peers' (the median of all ranks) holds them back, and they
 wait for it at the place where their share is above its own the most:
@@ -24,13 +24,8 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from orchestrator_workers.progress import (
-    BACKWARD,
-    OTHER_FUNCTIONS,
-    OTHER_PLACES,
-    Where,
-    in_collective,
-)
+from orchestrator_workers.places import BACKWARD, in_collective
+from orchestrator_workers.where import OTHER_FUNCTIONS, OTHER_PLACES, Where
 
 WINDOW_S = 30.0
 """The span of the latest looks the shares are taken over."""

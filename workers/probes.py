@@ -1,0 +1,118 @@
+"""What a rank's process uses, read cheaply from inside it: CPU, memory, GPU, collectives.
+
+Each probe says nothing (0, None, '') rather than raise, and none loads what the rank
+has not loaded: no torch, no CUDA context, no NVML before CUDA is initialized.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+from typing import Any
+
+from orchestrator_workers import _compat
+
+
+def rss_mb() -> float:
+    """This process's resident memory (statm: pages)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cpu_clock() -> int:
+    """The calling thread's CPU clock, for other threads of this process to read."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):  # not on this platform: its own clock only
+        return time.CLOCK_THREAD_CPUTIME_ID
+
+
+def cpu_s(clock: int) -> float:
+    """CPU seconds a thread has used, by its clock (one system call, no file)."""
+    try:
+        return time.clock_gettime(clock)
+    except OSError:  # the thread has ended
+        return 0.0
+
+
+def gpu_mb(device: int | None) -> float | None:
+    """torch's CUDA memory allocated on the rank's device (None: the current one), where
+    CUDA is initialized (never initialized here: that would take a GPU context)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return round(torch.cuda.memory_allocated(device) / 2**20, 1)
+    except Exception:  # noqa: BLE001 - no CUDA build, or a driver problem: not shown
+        return None
+
+
+_nvml: dict[str, Any] = {}
+"""NVML, once loaded: the module, and a handle per device (empty: not tried yet)."""
+
+
+def gpu_busy(device: int | None) -> int | None:
+    """How busy the rank's GPU (None: the current device) was over NVML's last sample
+    period, in percent, where CUDA is initialized and NVML can be loaded (see
+    `_compat.nvml`). The GPU is found by its UUID, as CUDA and NVML number GPUs
+    differently; one NVML cannot read (a MIG slice) says nothing, once and for all."""
+    torch = sys.modules.get("torch")
+    if torch is None or _nvml.get("broken"):
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        if not _nvml:
+            nvml = _compat.nvml()
+            if nvml is None:
+                raise RuntimeError("no NVML bindings")
+            nvml.nvmlInit()
+            _nvml["module"] = nvml
+        nvml = _nvml["module"]
+        index = torch.cuda.current_device() if device is None else device
+        handle = _nvml.get(f"handle{index}")
+        if handle is None:
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+            handle = nvml.nvmlDeviceGetHandleByUUID(
+                uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+            )
+            _nvml[f"handle{index}"] = handle
+        return int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # noqa: BLE001 - no NVML, no driver, a MIG slice: not shown
+        _nvml["broken"] = True
+        return None
+
+
+def last_collective() -> str:
+    """The last collective this process began, from torch's flight recorder:
+    'gloo:all_reduce #42, not done'; '' where there is none (no torch, no group).
+
+    The ranks' environment turns the recorder on; `_compat.flight_recorder` reads it.
+    """
+    if "torch.distributed" not in sys.modules:
+        return ""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return ""
+        dump = _compat.flight_recorder()
+        if dump is None:
+            return ""
+        entries = pickle.loads(dump(True, False, False)).get("entries") or []  # noqa: S301 - torch's own
+    except Exception:  # noqa: BLE001 - no recorder in this process: nothing to add
+        return ""
+    if not entries:
+        return ""
+    last = entries[-1]
+    done = last.get("retired") or last.get("state") == "completed"
+    name = last.get("profiling_name", "?")
+    return f"{name} #{last.get('collective_seq_id', '?')}, {'done' if done else 'not done'}"
