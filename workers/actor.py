@@ -40,7 +40,7 @@ from orchestrator_workers.protocol import (
     RemoteNode,
 )
 from orchestrator_workers.sampler import Sampler
-from orchestrator_workers.store import StoreServer, listen_on, reserve_port
+from orchestrator_workers.store import StoreKeeper
 from orchestrator_workers.where import Where
 from orchestrator_workers.where import read as read_where
 
@@ -74,11 +74,8 @@ class RankActor:
         self._local_rank = 0
         self._node_ip = ray.util.get_node_ip_address()
         self._node_id = ray.get_runtime_context().get_node_id()
-        self._store: StoreServer | None = None
-        """The running call's rendezvous store (rank 0)."""
-        self._reserved: socket.socket | None = None
-        """The next call's store port, bound on this node's IP but not listening."""
-        self._store_lock = threading.Lock()
+        self._stores = StoreKeeper(self._node_ip)
+        """As rank 0: the running call's rendezvous store, and the next call's port."""
         self._packed_spec = b""
         self._spec: RankSpec | None = None
         self._capture = Capture()
@@ -144,40 +141,13 @@ class RankActor:
     def open_store(self) -> int:
         """Reserve the next call's rendezvous port (nothing listens there until the call
         starts), closing any store still open; return the port."""
-        self._close_store()
-        return self._reserve()
-
-    def _close_store(self, port: int | None = None) -> None:
-        with self._store_lock:
-            store = self._store
-            if store is None or (port is not None and store.port != port):
-                return
-            self._store = None
-        store.close()
-
-    def _reserve(self) -> int:
-        """Reserve a port for the next call's store; the running call's stays open."""
-        with self._store_lock:
-            if self._reserved is not None:
-                self._reserved.close()
-            self._reserved = reserve_port(self._node_ip)
-            return int(self._reserved.getsockname()[1])
+        self._stores.close()
+        return self._stores.reserve()
 
     @ray.method(concurrency_group="control")
     def close_store(self, port: int) -> None:
         """Close the store of the call that used `port`: every rank of it is done."""
-        self._close_store(port)
-
-    def _serve_store(self, port: int) -> None:
-        """Rank 0, as its call starts: serve the rendezvous store on the reserved `port`."""
-        self._close_store()  # an earlier call's, if the driver's word has not come yet
-        with self._store_lock:
-            reserved, self._reserved = self._reserved, None
-            if reserved is None or reserved.getsockname()[1] != port:
-                if reserved is not None:
-                    reserved.close()
-                reserved = listen_on(self._node_ip, port)
-            self._store = StoreServer(reserved)
+        self._stores.close(port)
 
     @ray.method(concurrency_group="node")
     def run_node(
@@ -253,7 +223,7 @@ class RankActor:
         self._local_rank = spec.local_rank
         try:
             if spec.rank == 0:  # first, so that it listens before a peer connects
-                self._serve_store(spec.master_port)
+                self._stores.serve(spec.master_port)
             # First: every rank of this node must count itself as a reader (see sharing).
             readers = spec.ranks_on_node if environment.shares_buffers(spec) else 1
             buffers = sharing.private_buffers(
@@ -303,10 +273,10 @@ class RankActor:
         if spec.rank == 0:
             # Peers may still use a store they connected to: the driver closes it once all
             # are done. One nobody connected to (no rendezvous) closes now.
-            store_open = self._store is not None and self._store.made
+            store_open = self._stores.made
             if not store_open:
-                self._close_store()
-            next_port = self._reserve()
+                self._stores.close()
+            next_port = self._stores.reserve()
         return RankResult(
             rank=spec.rank,
             value=value,

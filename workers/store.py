@@ -54,6 +54,55 @@ def listen_on(host: str, port: int) -> socket.socket:
     return sock
 
 
+class StoreKeeper:
+    """Rank 0's rendezvous stores across calls: the next call's port reserved, the
+    running call's store served, each closed when its time comes (see the module)."""
+
+    def __init__(self, host: str) -> None:
+        """Keep stores on `host` (the node's IP); none yet."""
+        self._host = host
+        self._store: StoreServer | None = None
+        """The running call's store."""
+        self._reserved: socket.socket | None = None
+        """The next call's store port, bound on `host` but not listening."""
+        self._lock = threading.Lock()
+
+    @property
+    def made(self) -> bool:
+        """Whether the running call's store was made (a rank connected to it)."""
+        store = self._store
+        return store is not None and store.made
+
+    def reserve(self) -> int:
+        """Reserve a port for the next call's store; the running call's stays open."""
+        with self._lock:
+            if self._reserved is not None:
+                self._reserved.close()
+            self._reserved = reserve_port(self._host)
+            return int(self._reserved.getsockname()[1])
+
+    def serve(self, port: int) -> None:
+        """As a call starts: serve its store on the reserved `port` (else bind `port` and
+        listen there in one step)."""
+        self.close()  # an earlier call's, if the driver's word has not come yet
+        with self._lock:
+            reserved, self._reserved = self._reserved, None
+            if reserved is None or reserved.getsockname()[1] != port:
+                if reserved is not None:
+                    reserved.close()
+                reserved = listen_on(self._host, port)
+            self._store = StoreServer(reserved)
+
+    def close(self, port: int | None = None) -> None:
+        """Close the running call's store (`port`: only if it is that call's)."""
+        with self._lock:
+            store = self._store
+            if store is None or (port is not None and store.port != port):
+                return
+            self._store = None
+        store.close()
+
+
 class StoreServer:
     """One call's rendezvous store, serving on a reserved socket (see the module)."""
 
