@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,19 +45,56 @@ def error_file() -> str:
     return f"/proc/self/fd/{fd}/torchelastic-error-{pid}.json"
 
 
+_made: dict[int, tuple[int, int, int]] = {}
+"""The error file `prepare` last made, by pid: (the pinned folder's fd, st_dev, st_ino)."""
+
+
 def prepare(path: str) -> None:
     """Before a call: this call's error file, made empty, 0600 and new (O_EXCL) in the
     pinned folder, so that torch's `record` writes into the product's own file (torch
-    would make it 0644, and follow a link planted there)."""
-    fd = _pinned.get(os.getpid())
+    would make it 0644, and follow a link planted there).
+
+    The file the last call found made is kept when it is still that same file (same
+    inode, one link, a regular file of this user's, 0600) and empty: it is then what a
+    new one would be, for one stat instead of an unlink, an open and a close (a warm
+    call's cost on every rank). Anything else is removed and made anew.
+    """
+    pid = os.getpid()
+    fd = _pinned.get(pid)
     if not path or fd is None or not path.startswith(f"/proc/self/fd/{fd}/"):
         return
     name = os.path.basename(path)
+    if _unchanged(fd, name, _made.get(pid)):
+        return
+    _made.pop(pid, None)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(name, dir_fd=fd)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     with contextlib.suppress(OSError):
-        os.close(os.open(name, flags, 0o600, dir_fd=fd))
+        made = os.open(name, flags, 0o600, dir_fd=fd)
+        try:
+            found = os.fstat(made)
+        finally:
+            os.close(made)
+        _made[pid] = (fd, found.st_dev, found.st_ino)
+
+
+def _unchanged(folder: int, name: str, made: tuple[int, int, int] | None) -> bool:
+    """Whether `name` in `folder` is still the empty 0600 file `made` says was made there."""
+    if made is None or made[0] != folder:
+        return False
+    try:
+        found = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except OSError:
+        return False
+    return (
+        (found.st_dev, found.st_ino) == made[1:]
+        and stat.S_ISREG(found.st_mode)
+        and stat.S_IMODE(found.st_mode) == 0o600
+        and found.st_uid == os.getuid()
+        and found.st_nlink == 1
+        and found.st_size == 0
+    )
 
 
 @dataclass(frozen=True)
