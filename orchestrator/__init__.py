@@ -15,6 +15,7 @@ from orchestrator.errors import (
 from orchestrator.job import Job, JobStatus, RankStatus
 from orchestrator.options import CallOptions, default_log_dir
 from orchestrator_workers.protocol import RankFailure
+from orchestrator_workers.states import State
 
 __all__ = [
     "BusyError",
@@ -32,6 +33,7 @@ __all__ = [
     "RankFailure",
     "RankStatus",
     "StallError",
+    "State",
     "default_log_dir",
     "distribute",
 ]

@@ -1,8 +1,9 @@
-"""One call in flight: start every rank at once, watch them all, stream output, collect."""
+"""One attempt of a call: start it on every rank at once, wait for all, collect their
+outcomes, time out. Its output goes through `channel.CallOutput`, its watching through
+`diagnose.monitor.Monitor`; what it knows is read through `view()`."""
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import threading
 import time
@@ -14,12 +15,10 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator import channel, crash
-from orchestrator.connect import cluster
-from orchestrator.diagnose.stall import StallReport, Watch
-from orchestrator.diagnose.straggle import Straggler
+from orchestrator import crash, shipping
+from orchestrator.channel import POLL_S, CallOutput
+from orchestrator.diagnose.monitor import Monitor
 from orchestrator.errors import (
     CRASH,
     JobTimeoutError,
@@ -34,30 +33,17 @@ from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
 from orchestrator.show import messages
 from orchestrator.show.logs import Console
-from orchestrator.show.status import Notice, StatusLine
-from orchestrator.states import State
-from orchestrator_workers import sharing
-from orchestrator_workers.protocol import (
-    EXIT_STREAM,
-    STATE_STREAM,
-    CallSpec,
-    RankFailure,
-    RankResult,
-)
+from orchestrator.show.status import StatusLine
+from orchestrator.view import CallView, snapshot
+from orchestrator_workers.protocol import CallSpec, RankFailure, RankResult
+from orchestrator_workers.states import State
 
 _GATHER_S = 0.3
 """After the first failure, how long to keep listening for the others' (for the report)."""
-_POLL_S = 0.1
-"""While each rank runs in a Ray task of its own, how often the driver looks at their
-runs and their output together (they end together: one look takes them all)."""
 _IDLE_S = 0.5
 """Otherwise, while the ranks are quiet, the driver wakes when a run ends or a rank
 prints; and at least this often, to see a stop (which also kills the ranks, and so ends
 their runs)."""
-_JUDGE_S = 1.0
-"""While ranks are read, how often the driver works out who makes no progress."""
-_FORGET_WAIT_S = 5.0
-"""After a failure, how long to wait for stopped ranks to be gone before cleaning up."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +101,6 @@ class Call:
         self.stop = stop or threading.Event()
         self.earlier = tuple(earlier)
         self.share_key = uuid.uuid4().hex[:16]
-        self.share_nodes = [node.node_id for node in pool.nodes]
         call = CallSpec(
             master_port=pool.store_port,
             restart_count=restart_count,
@@ -128,18 +113,7 @@ class Call:
         self.call_id = self.share_key.encode()
         self.runs = self._start(packed_call, shipped.data)
         """The Ray tasks in flight that bring ranks' outcomes, and whose."""
-        self.draining: dict[ray.ObjectRef, int] = {}
-        """Each live rank's output request in flight: ref -> rank."""
-        self._undrained = set(range(len(pool.actors)))
-        """Ranks whose output request is to be made (or found, if one is in flight)."""
-        # How long each rank's output request gathers output once some comes; and when
-        # output was last taken in (ranks that print are then read every `_POLL_S`).
-        self.gather_s, self._shown_at = channel.gather_s(len(pool.actors)), 0.0
-        self.dead: set[int] = set()
-        self.exit_codes: dict[int, int] = {}
-        """Statuses ranks passed to os._exit, as they reported them just before."""
-        self.waits_on: dict[int, str] = {}
-        """Per rank, what it waits on beyond its work (a debugger), if anything."""
+        self.output = CallOutput(pool, self.console)
         self.next_port: int | None = None
         """The port rank 0 reserved for the next call's rendezvous store, once it returned."""
         self.store_open = False
@@ -148,29 +122,13 @@ class Call:
         self.results: dict[int, Any] = {}
         self.failures: list[RankFailure] = []
         self.gather_until: float | None = None
-        self.started = time.monotonic()
-        self.time_limit = None if self.timeout is None else self.started + self.timeout
-        self.on_stall = options.on_stall
-        self.watch = (
-            None if options.stall_after is None else Watch(pool, self.started, options.stall_after)
-        )
-        self.stall: StallReport | None = None
-        """Ranks without progress for `stall_after`: who is where (None: all move)."""
-        self.slow: list[Straggler] = []
-        """Ranks slower than their peers, the slowest first (see orchestrator.straggle)."""
-        self._judged = 0.0
-        self._compared = 0
-        """Node readings the slow ranks were last worked out from."""
-        self.notice: Notice | None = None
-        """What the status line must say now, as last worked out."""
+        self.started = started = time.monotonic()
+        self._started_at = time.time()
+        self.time_limit = None if self.timeout is None else started + self.timeout
+        after, on_stall = options.stall_after, options.on_stall
+        self.monitor = None if after is None else Monitor(pool, started, after, on_stall)
         quiet = sink is not None  # a notebook cell shows the ranks' table instead
-        self.status = None if quiet else StatusLine(
-            pool.name,
-            len(pool.actors),
-            self.started,
-            self._states,
-            lambda: self.notice,
-        )
+        self.status = None if quiet else StatusLine(pool.name, len(pool.actors), started, self.view)
 
     def _start(self, packed_call: bytes, data: bytes | ray.ObjectRef) -> dict[Any, Awaited]:
         """Start the call on every rank. A small payload is handed off (see handoff): one
@@ -216,7 +174,6 @@ class Call:
             self.console.close_logs()
         if self.failures:
             self._forget_buffers()
-        if self.failures:
             raise distributed_error(
                 self.failures, log_dir=self.console.log_dir, earlier_attempts=self.earlier
             )
@@ -228,7 +185,7 @@ class Call:
         return self.pool.stacks()
 
     def _watch(self) -> None:
-        console = self.console
+        console, output = self.console, self.output
         while self._busy():
             if self.stop.is_set():
                 raise StopRequested
@@ -236,8 +193,8 @@ class Call:
             if self.gather_until is not None and now >= self.gather_until:
                 break
             if self.time_limit is not None and now >= self.time_limit and self.runs:
-                self._time_out()
-            self._request_output()
+                self._end(self.timeout or 0.0)
+            output.request()
             looked = self._look(now)
             status = self.status.tick(now, console.last_output) if self.status else None
             wake = [
@@ -250,94 +207,43 @@ class Call:
             if self.stop.is_set():
                 raise StopRequested
             self._take_all(finished)
-            for ref in shown:
-                self._show(self.draining.pop(ref))
-            if shown:
-                self._shown_at = time.monotonic()
+            output.take(shown)
 
     def _look(self, now: float) -> float | None:
-        """Read where the ranks are when due, and say who makes no progress; when next."""
-        watch = self.watch
-        if watch is None or not self.runs or self.failures:
+        """Let the monitor read the ranks when due; end the call if it says so; when next."""
+        monitor = self.monitor
+        if monitor is None or not self.runs or self.failures:
             return None
-        due = watch.tick(now)
-        if watch.pending:  # readings on their way are taken in at the next pass
-            due = min(due, now + _POLL_S)
-        if (watch.where or watch.mute) and now >= self._judged + _JUDGE_S:
-            self._judged = now
-            self.stall = None
-            returned = self._returned(watch)
-            running = self.running() - returned
-            if not any(self.waits_on.values()):  # a rank in a debugger holds the others
-                self.stall = watch.report(
-                    self.pool.name, now, running, self.console.last_times, returned=returned
-                )
-            if self.stall is not None:
-                self.slow = []
-            elif watch.readings != self._compared:  # new counts: compare the ranks again
-                self._compared = watch.readings
-                self.slow = watch.shares.stragglers(running, now)
-            self.notice = self._notice()
-            # Raise mode, the user's choice, ends the call once ranks have waited
-            # `stall_after`, even for one that moves (rank 0 saving a checkpoint while its
-            # peers wait at a barrier): the report says just that.
-            if self.stall is not None and self.on_stall == "raise":
-                self._stall_out(self.stall)
-        return min(due, self._judged + _JUDGE_S) if watch.where else due
-
-    def _returned(self, watch: Watch) -> set[int]:
-        """Ranks whose function has returned: their outcome came, or their record says so
-        (a handed-off call's outcomes come together, once all are done)."""
-        found = set(self.results)
-        for rank, (where, _) in watch.where.items():
-            if where.call == self.share_key and not where.running:
-                found.add(rank)
-        return found
-
-    def use(self, rank: int) -> str:
-        """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB 87% busy'."""
-        found = self.watch.where.get(rank) if self.watch is not None else None
-        if found is None or not found[0].running:
-            return ""
-        where = found[0]
-        text = f"{where.process_cpu:.1f} cores, {where.rss_mb / 1024:.1f} GB"
-        if where.gpu_mb is not None:
-            text += f", GPU {where.gpu_mb / 1024:.1f} GB"
-            text += f" {where.gpu_busy}% busy" if where.gpu_busy is not None else ""
-        return text
-
-    def _notice(self) -> Notice | None:
-        """What the status line must say now: ranks without progress, or slow ones."""
-        if self.stall is not None:  # said again at once when who waits where changes
-            key = tuple((g.ranks, str(g.place)) for g in self.stall.groups if not g.moving)
-            return Notice(key, self.stall.line(), str(self.stall))
-        if self.slow:
-            line = f"[{self.pool.name}] " + "; ".join(s.sentence() for s in self.slow)
-            return Notice(tuple(s.rank for s in self.slow), line, line)
-        return None
+        due = monitor.look(
+            now,
+            call_key=self.share_key,
+            running=self.running(),
+            results=self.results.keys(),
+            waits_on=self.output.waits_on,
+            last_output=self.console.last_times,
+        )
+        if (report := monitor.ends_call()) is not None:
+            self._end(monitor.after_s, str(report))
+        return due
 
     def _wait_runs(
         self, wait_s: float | None
     ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
         """Runs finished within `wait_s` (or the poll), and the output requests ready.
 
-        Where the runs are few (a call handed off by node) and the ranks are quiet, one
-        wait for the first of the runs and the output requests: a failure or a line is
-        seen at once, and a call that prints nothing costs a pass or two. While they
-        print (from `channel.GATHER_FROM_RANKS`), their output is taken every `_POLL_S`,
-        not line by line. Where each rank has a run of its own, one wait for every run
-        (a job's ranks end together: one wait takes them all) and a look at the output
-        requests, every `_POLL_S`: a wait for the first would return once per rank, each
-        time a pass over every rank.
+        A call handed off by node, with quiet ranks: one wait for the first of the runs
+        and the output requests (a failure or a line is seen at once; a quiet call costs
+        a pass or two). Ranks that print (from `channel.GATHER_FROM_RANKS`), or a run
+        per rank (they end together): every `POLL_S`, all that is ready at once.
         """
-        runs, draining = list(self.runs), list(self.draining)
+        output = self.output
+        runs, draining = list(self.runs), list(output.draining)
         per_rank = len(runs) > len(self.pool.nodes)
-        printing = self.gather_s > 0 and time.monotonic() - self._shown_at < _POLL_S
-        if not runs or not (per_rank or printing):
+        if not runs or not (per_rank or output.printing(time.monotonic())):
             timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
             ready = _ready(runs + draining, timeout)
-            return [r for r in ready if r in self.runs], [r for r in ready if r in self.draining]
-        poll = _POLL_S if per_rank else self._shown_at + _POLL_S - time.monotonic()
+            return [r for r in ready if r in self.runs], [r for r in ready if r in draining]
+        poll = POLL_S if per_rank else output.shown_at + POLL_S - time.monotonic()
         timeout = max(0.0, poll if wait_s is None else min(wait_s, poll))
         if per_rank:
             finished, _ = ray.wait(runs, num_returns=len(runs), timeout=timeout)
@@ -345,45 +251,44 @@ class Call:
             finished = _ready(runs, timeout)
         return finished, _ready(draining, 0) if draining else []
 
-    def rank_state(self, rank: int, *, stopped: bool) -> str:
+    def rank_state(self, rank: int, *, stopped: bool) -> State:
         """finished, failed, running (or what it waits on); `stopped` when the call ended."""
         if rank in self.results:
             return State.FINISHED
         if any(f.rank == rank for f in self.failures):
             return State.FAILED
-        return State.STOPPED if stopped else self.waits_on.get(rank) or State.RUNNING
+        waits_on = self.output.waits_on.get(rank)
+        return State.STOPPED if stopped else State(waits_on) if waits_on else State.RUNNING
 
-    def _states(self) -> list[tuple[int, str]]:
-        """Each rank's state now, by rank (for the status line)."""
-        ranks = range(len(self.pool.actors))
-        return [(rank, self.rank_state(rank, stopped=False)) for rank in ranks]
+    def view(self, *, stopped: bool = False) -> CallView:
+        """What this call knows now, as one snapshot (`stopped`: the call has ended)."""
+        states = [self.rank_state(r, stopped=stopped) for r in range(len(self.pool.actors))]
+        monitor = None if stopped else self.monitor
+        return snapshot(
+            self.share_key,
+            self._started_at,
+            self.pool,
+            states=states,
+            console=self.console,
+            monitor=monitor,
+        )
 
-    def repair(self, attempt: int, *, settle_s: float) -> bool:
-        """After this call failed: replace its broken ranks in the pool for attempt number
-        `attempt`; False where the whole pool must go instead.
-
-        Healthy ranks (finished, or failed only because a peer did) keep their warm
-        processes, so a restart costs one actor start, not a whole pool's. `settle_s`:
-        how long ranks still running may take to return (a peer's death reaches gloo
-        ranks in moments); 0 after a timeout, where they are all stuck.
-        """
-        until = time.monotonic() + settle_s
-        while self.runs and (left := until - time.monotonic()) > 0:
-            done = _ready(list(self.runs), left)  # a node's rest comes in a task of its own
-            if not done:
-                break
-            self._take_all(done)
-        broken = self.broken_ranks()
-        return len(broken) < len(self.pool.actors) and self.pool.replace(broken, attempt)
-
-    def broken_ranks(self) -> set[int]:
-        """After a failure: ranks whose actor must be replaced before a restart.
+    def settle(self, settle_s: float) -> set[int]:
+        """After this call failed: the ranks whose actor must be replaced before a restart,
+        once those still running had `settle_s` to return (a node's rest comes in a task
+        of its own).
 
         Dead ones, ones still running (perhaps stuck in a collective), and ones that
         raised an error of their own (their process may be in a bad state, e.g. CUDA's).
         A rank that finished, or failed only because a peer did, is healthy.
         """
-        broken = self.running() | self.dead
+        until = time.monotonic() + settle_s
+        while self.runs and (left := until - time.monotonic()) > 0:
+            done = _ready(list(self.runs), left)
+            if not done:
+                break
+            self._take_all(done)
+        broken = self.running() | self.output.dead
         broken |= {f.rank for f in self.failures if f.exc_type == CRASH or not is_secondary(f)}
         return broken
 
@@ -392,40 +297,12 @@ class Call:
         return {rank for awaited in self.runs.values() for rank in awaited.ranks}
 
     def _forget_buffers(self) -> None:
-        """After a failed call's ranks were told to stop: remove what they left in /dev/shm.
-
-        A rank stopped before it mapped its node's copy of the large buffers never counts
-        itself, so the copy's name would stay. In the background: first the ranks still
-        running are given a moment to be gone (a rank killed is not gone at once).
-        """
-        pending = list(self.runs)
-
-        def forget() -> None:
-            with contextlib.suppress(Exception):  # Ray shut down meanwhile: the sweep remains
-                if pending:
-                    ray.wait(pending, num_returns=len(pending), timeout=_FORGET_WAIT_S)
-                here = ray.get_runtime_context().get_node_id()
-                for node in self.share_nodes:
-                    if node == here:
-                        sharing.remove(self.share_key)
-                    else:
-                        affinity = NodeAffinitySchedulingStrategy(node, soft=False)
-                        remote = _remote_remove.options(scheduling_strategy=affinity)
-                        remote.remote(self.share_key)
-
-        threading.Thread(target=forget, name="forget buffers", daemon=True).start()
+        """After a failed call's ranks were told to stop: remove what they left in /dev/shm."""
+        nodes = [node.node_id for node in self.pool.nodes]
+        shipping.forget_buffers(self.share_key, nodes, list(self.runs))
 
     def _busy(self) -> bool:
-        channels, dead = self.pool.channels, self.dead
-        return bool(self.runs) or any(
-            channels[rank].shown < seq for rank, seq in self.owed.items() if rank not in dead
-        )
-
-    def _request_output(self) -> None:
-        """Make the output requests still to be made (a rank's, once its last came back)."""
-        for rank in self._undrained - self.dead:
-            self.draining[self.pool.channels[rank].request(self.gather_s)] = rank
-        self._undrained.clear()
+        return bool(self.runs) or self.output.owes(self.owed)
 
     def _take_all(self, refs: list[ray.ObjectRef]) -> None:
         """Take the outcomes these finished tasks bring, fetched together where all are there."""
@@ -484,73 +361,27 @@ class Call:
             self.next_port = outcome.next_master_port
             self.store_open = outcome.store_open
 
-    def _show(self, rank: int) -> None:
-        try:
-            chunks = self.pool.channels[rank].take()
-        except RayActorError:
-            self.dead.add(rank)
-            return
-        self._undrained.add(rank)
-        for chunk in chunks:
-            if chunk.stream == EXIT_STREAM:
-                self.exit_codes[rank] = int(chunk.data)
-            elif chunk.stream == STATE_STREAM:
-                self.waits_on[rank] = chunk.data.decode()
-        shown = [chunk for chunk in chunks if chunk.stream not in (EXIT_STREAM, STATE_STREAM)]
-        self.console.write(rank, shown)
-
     def _crash(self, rank: int, exc: RayActorError) -> RankFailure:
         """`rank`'s failure: its actor is gone (`exc`, Ray's word on why)."""
-        self.dead.add(rank)
+        last_words = self.output.last_words(rank)
+        code = self.output.exit_codes.get(rank)
+        local = self.pool.specs[rank].local_rank
         info = self.pool.infos[rank]
-        last_words = self._show_leftovers(rank)
-        return RankFailure(
-            rank=rank,
-            local_rank=self.pool.specs[rank].local_rank,
-            node_ip=info.node_ip,
-            hostname=info.hostname,
-            pid=info.pid,
-            time=time.time(),
-            exc_type=CRASH,
-            message=crash.reason(
-                exc,
-                self.exit_codes.get(rank),
-                last_words,
-                node_gone=cluster.node_lost(info.node_id),
-            ),
-            traceback="",
-        )
+        return crash.failure(rank, local, info, exc, exit_code=code, last_words=last_words)
 
-    def _show_leftovers(self, rank: int) -> str:
-        """Show what a dead rank wrote in its last instant (saved by its keeper); return it."""
-        channel = self.pool.channels[rank]
-        chunks = crash.last_words(self.pool.infos[rank], channel.shown)
-        self.console.write(rank, chunks)
-        channel.shown = max([channel.shown, *(chunk.seq for chunk in chunks)])
-        return "".join(chunk.data.decode(errors="replace") for chunk in chunks)
-
-    def _stall_out(self, report: StallReport) -> None:
+    def _end(self, after_s: float, stall: str | None = None) -> None:
+        """Raise JobTimeoutError after `after_s` (or StallError, with its `stall` report),
+        with every rank's stack and place."""
         self.console.flush()
-        where = {rank: _where(self.pool, rank) for rank in range(len(self.pool.actors))}
-        raise StallError(
-            self.watch.after_s if self.watch is not None else 0.0,
-            str(report),
-            self.pool.stacks(),
-            where,
-            log_dir=self.console.log_dir,
-            earlier_attempts=self.earlier,
-        )
-
-    def _time_out(self) -> None:
-        self.console.flush()
-        where = {rank: _where(self.pool, rank) for rank in range(len(self.pool.actors))}
-        raise JobTimeoutError(
-            self.timeout or 0.0,
-            self.pool.stacks(),
-            where,
-            log_dir=self.console.log_dir,
-            earlier_attempts=self.earlier,
-        )
+        stacks, pool = self.pool.stacks(), self.pool
+        where = {
+            rank: describe_rank(rank, spec.local_rank, info.node_ip, info.hostname, info.pid)
+            for rank, (spec, info) in enumerate(zip(pool.specs, pool.infos, strict=True))
+        }
+        log_dir, earlier = self.console.log_dir, self.earlier
+        if stall is None:
+            raise JobTimeoutError(after_s, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
+        raise StallError(after_s, stall, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
 
 
 def _ready(refs: list[ray.ObjectRef], wait_s: float | None) -> list[ray.ObjectRef]:
@@ -560,11 +391,3 @@ def _ready(refs: list[ray.ObjectRef], wait_s: float | None) -> list[ray.ObjectRe
         more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
         done += more
     return done
-
-
-def _where(pool: Pool, rank: int) -> str:
-    info = pool.infos[rank]
-    return describe_rank(rank, pool.specs[rank].local_rank, info.node_ip, info.hostname, info.pid)
-
-
-_remote_remove = ray.remote(num_cpus=0)(sharing.remove)

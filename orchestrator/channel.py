@@ -4,19 +4,26 @@ A rank numbers its output chunks across calls, and an output request may outlive
 call that made it (it returns with what the rank prints next). So what the driver has
 taken in, and the request in flight, belong to the rank's actor, not to one call: the
 pool keeps one `RankChannel` per rank and starts a new one when it replaces the actor.
+A call's `CallOutput` makes the ranks' requests, takes in what they bring, and shows it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError
 
-from orchestrator.show.fold import FOLD_FROM_RANKS
-from orchestrator_workers.protocol import OutputChunk
+from orchestrator import crash
+from orchestrator.options import FOLD_FROM_RANKS
+from orchestrator_workers.protocol import EXIT_STREAM, STATE_STREAM, OutputChunk
+
+if TYPE_CHECKING:
+    from orchestrator.pool import Pool
+    from orchestrator.show.logs import Console
 
 DRAIN_POLL_S = 30.0
 """How long one output request waits on an idle rank before returning empty."""
@@ -28,6 +35,8 @@ GATHER_FROM_RANKS = FOLD_FROM_RANKS
 """Below this many ranks, each line comes as soon as it is printed (a person reads them
 as they come); from it, output is gathered: the console folds it then, and a fold holds
 a line for a moment anyway."""
+POLL_S = 0.1
+"""While ranks print (from `GATHER_FROM_RANKS`), how often their output is taken in."""
 STACKS_WAIT_S = 3.0
 """How long to wait for the ranks' stacks before reporting without them."""
 
@@ -58,6 +67,76 @@ class RankChannel:
         if chunks:  # the pseudo-streams' chunks count as taken in too
             self.shown = max(self.shown, chunks[-1].seq)
         return chunks
+
+
+class CallOutput:
+    """One call's side of its ranks' output: the requests in flight, what they bring
+    shown on `console`, and what each rank said of itself (its exit status, a debugger)."""
+
+    def __init__(self, pool: Pool, console: Console) -> None:
+        """Output of `pool`'s ranks, shown on `console`; every rank's request to be made."""
+        self.pool = pool
+        self.console = console
+        self.gather_s = gather_s(len(pool.actors))
+        """How long each rank's output request gathers output once some comes."""
+        self.shown_at = 0.0
+        """When output was last taken in (ranks that print are then read every POLL_S)."""
+        self.draining: dict[ray.ObjectRef, int] = {}
+        """Each live rank's output request in flight: ref -> rank."""
+        self._undrained = set(range(len(pool.actors)))
+        """Ranks whose output request is to be made (or found, if one is in flight)."""
+        self.dead: set[int] = set()
+        """Ranks whose actor is gone."""
+        self.exit_codes: dict[int, int] = {}
+        """Statuses ranks passed to os._exit, as they reported them just before."""
+        self.waits_on: dict[int, str] = {}
+        """Per rank, what it waits on beyond its work (a debugger), if anything."""
+
+    def request(self) -> None:
+        """Make the output requests still to be made (a rank's, once its last came back)."""
+        for rank in self._undrained - self.dead:
+            self.draining[self.pool.channels[rank].request(self.gather_s)] = rank
+        self._undrained.clear()
+
+    def printing(self, now: float) -> bool:
+        """Whether ranks print now, where their output is gathered (taken every POLL_S)."""
+        return self.gather_s > 0 and now - self.shown_at < POLL_S
+
+    def take(self, ready: list[ray.ObjectRef]) -> None:
+        """Show what these ready output requests brought."""
+        for ref in ready:
+            self._show(self.draining.pop(ref))
+        if ready:
+            self.shown_at = time.monotonic()
+
+    def owes(self, owed: Mapping[int, int]) -> bool:
+        """Whether output up to `owed` (rank -> seq) is still to come from a live rank."""
+        channels = self.pool.channels
+        return any(channels[r].shown < seq for r, seq in owed.items() if r not in self.dead)
+
+    def last_words(self, rank: int) -> str:
+        """Show what dead `rank` wrote in its last instant (saved by its keeper); return it."""
+        self.dead.add(rank)
+        channel = self.pool.channels[rank]
+        chunks = crash.last_words(self.pool.infos[rank], channel.shown)
+        self.console.write(rank, chunks)
+        channel.shown = max([channel.shown, *(chunk.seq for chunk in chunks)])
+        return "".join(chunk.data.decode(errors="replace") for chunk in chunks)
+
+    def _show(self, rank: int) -> None:
+        try:
+            chunks = self.pool.channels[rank].take()
+        except RayActorError:
+            self.dead.add(rank)
+            return
+        self._undrained.add(rank)
+        for chunk in chunks:
+            if chunk.stream == EXIT_STREAM:
+                self.exit_codes[rank] = int(chunk.data)
+            elif chunk.stream == STATE_STREAM:
+                self.waits_on[rank] = chunk.data.decode()
+        shown = [chunk for chunk in chunks if chunk.stream not in (EXIT_STREAM, STATE_STREAM)]
+        self.console.write(rank, shown)
 
 
 def gather_s(ranks: int) -> float:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+import time
 
 import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator_workers.protocol import NodeInfo, OutputChunk
+from orchestrator.connect import cluster
+from orchestrator.errors import CRASH
+from orchestrator_workers.protocol import NodeInfo, OutputChunk, RankFailure
 from orchestrator_workers.tail import read_tail
 
 _LEFTOVER_WAIT_S = 0.5
@@ -33,6 +36,30 @@ def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
     unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
     last = max([shown, *(seq for seq, _, _ in unseen)])
     return [OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen]
+
+
+def failure(
+    rank: int,
+    local_rank: int,
+    info: NodeInfo,
+    exc: RayActorError,
+    *,
+    exit_code: int | None,
+    last_words: str,
+) -> RankFailure:
+    """`rank`'s failure, its actor gone (`exc`, Ray's word on why): see `reason`."""
+    node_gone = cluster.node_lost(info.node_id)
+    return RankFailure(
+        rank=rank,
+        local_rank=local_rank,
+        node_ip=info.node_ip,
+        hostname=info.hostname,
+        pid=info.pid,
+        time=time.time(),
+        exc_type=CRASH,
+        message=reason(exc, exit_code, last_words, node_gone=node_gone),
+        traceback="",
+    )
 
 
 def reason(

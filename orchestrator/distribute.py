@@ -15,12 +15,11 @@ from typing_extensions import Unpack
 
 from orchestrator import shipping
 from orchestrator.connect import cluster
-from orchestrator.diagnose.stall import STALL_AFTER_S
 from orchestrator.job import Job, stop_all
-from orchestrator.options import CallOptions, Options
+from orchestrator.options import DEFAULT_PREFIX, STALL_AFTER_S, CallOptions, Options
 from orchestrator.runner import Runner
 from orchestrator.show import notebook
-from orchestrator.show.logs import DEFAULT_PREFIX, read_log
+from orchestrator.show.logs import read_log
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -74,8 +73,8 @@ class DistributedFunction(Generic[P, R]):
         job: Job[R] = self._runner.submit(
             self.fn, args, kwargs, self.options, owner=self, in_cell=show_in_cell
         )
-        if job.view is not None:
-            job.view.tick_while(lambda: not job.done())  # the elapsed times move on
+        if job._cell is not None:
+            job._cell.tick_while(lambda: not job.done())  # the elapsed times move on
         return job
 
     def with_options(self, **changes: Unpack[CallOptions]) -> DistributedFunction[P, R]:

@@ -18,7 +18,9 @@ OrchestratorError
       │                              also derives from the root cause's type, so
       │                              `except ValueError:` catches a rank's ValueError
       └── JobTimeoutError            the call ran past its time limit (also TimeoutError);
-                                     carries every rank's current stacks
+           │                         carries every rank's current stacks
+           └── StallError            on_stall="raise": its ranks made no progress for
+                                     stall_after; the report of who waits where, first
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 
 import cloudpickle
 
-from orchestrator.show.logs import read_log
+from orchestrator.show.text import describe_rank
 from orchestrator_workers.protocol import RankFailure
 
 CRASH = "crash"
@@ -133,6 +135,8 @@ class DistributedError(OrchestratorError):
         """Everything rank `rank` wrote during the failed call."""
         if self.log_dir is None:
             raise FileNotFoundError("this call kept no log files (log_dir=False)")
+        from orchestrator.show.logs import read_log  # errors sit below what shows them
+
         return read_log(self.log_dir, rank)
 
 
@@ -245,11 +249,6 @@ def order_failures(failures: Sequence[RankFailure]) -> list[RankFailure]:
     primary = [f for f in by_time if not is_secondary(f)]
     root = primary[0] if primary else by_time[0]
     return [root] + [f for f in by_time if f is not root]
-
-
-def describe_rank(rank: int, local_rank: int, node_ip: str, hostname: str, pid: int) -> str:
-    """'rank 2 (local rank 0) on 10.0.0.2 (host h, pid 123)'."""
-    return f"rank {rank} (local rank {local_rank}) on {node_ip} (host {hostname}, pid {pid})"
 
 
 def describe(failure: RankFailure, limit: int | None = None) -> str:

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator.errors import describe, summary
 from orchestrator.show import messages
-from orchestrator.show.fold import rank_label
 from orchestrator.show.logs import read_log
 from orchestrator.show.notebook import CellOutput, RankRow, Table
 from orchestrator.show.summary import SUMMARY_FROM_RANKS, states_line
-from orchestrator.states import State
-from orchestrator_workers.protocol import WAITING
+from orchestrator.show.text import rank_label
+from orchestrator_workers.states import State
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
+    from orchestrator.view import CallView
     from orchestrator_workers.protocol import RankFailure
 
 R = TypeVar("R")
@@ -37,9 +37,10 @@ class RankStatus:
     """Where one rank is and what it is doing."""
 
     rank: int
-    state: str
+    state: State
     """queued, pending (placement), starting, running, finished, failed, stopped, cancelled;
-    while it stops at a breakpoint, "waiting for a debugger" and then "in a debugger"."""
+    while it stops at a breakpoint, "waiting for a debugger" and then "in a debugger" (a
+    State: it compares equal to those words)."""
     node_ip: str | None = None
     pid: int | None = None
 
@@ -49,9 +50,10 @@ class JobStatus:
     """A snapshot of a job: its state, each rank's, and what it waits for."""
 
     name: str
-    state: str
+    state: State
     """queued (behind the function's previous call), pending (waiting for resources),
-    starting (actors starting), running, finished, failed, or cancelled."""
+    starting (actors starting), running, finished, failed, or cancelled (a State: it
+    compares equal to those words)."""
     ranks: tuple[RankStatus, ...]
     waiting_for: str | None = None
     """While pending: what it needs and what the cluster has free now. While running:
@@ -106,12 +108,12 @@ class Job(Future[list[R]]):
         self.num_ranks = num_ranks
         self.log_dir = log_dir
         """The job's per-rank log folder (rank-N.log); None for log_dir=False."""
-        self.stop_requested = threading.Event()
-        self.context = contextvars.copy_context()
+        self._stop_requested = threading.Event()
+        self._context = contextvars.copy_context()
         """The submitter's context: a notebook routes output by it to the submitting cell."""
-        self.call: Call | None = None
+        self._call: Call | None = None
         """The running (or last) attempt's call, once its ranks started."""
-        self.view: CellOutput | None = None
+        self._cell: CellOutput | None = None
         """In a notebook, the submitting cell's display that shows the ranks' output."""
         self._owner = owner
         self._stop = stop
@@ -122,7 +124,7 @@ class Job(Future[list[R]]):
         self._waiting_for: str | None = None
         self._failed_attempts: list[str] = []
         if in_cell:  # last: it draws the table at once
-            self.view = CellOutput(f"[{name}] submitted", table=self.table)
+            self._cell = CellOutput(f"[{name}] submitted", table=self.table)
         _live.add(self)
 
     def result(self, timeout: float | None = None) -> list[R]:
@@ -136,7 +138,7 @@ class Job(Future[list[R]]):
         """
         if self.done():
             return False
-        self.stop_requested.set()  # from now on, only this settles the job
+        self._stop_requested.set()  # from now on, only this settles the job
         try:
             self._stop(self)  # ranks stopped before anyone is told
         finally:
@@ -144,7 +146,7 @@ class Job(Future[list[R]]):
         if not cancelled:  # it finished just before: its result stands
             return False
         self.set_running_or_notify_cancel()  # concurrent.futures.wait() and as_completed
-        self.discard()
+        self._discard()
         self._show(CANCELLED)
         return True
 
@@ -155,77 +157,74 @@ class Job(Future[list[R]]):
     def status(self) -> JobStatus:
         """The job's state, each rank's state, and while pending what it waits for."""
         phase = CANCELLED if self.cancelled() else self._phase
-        call = self.call
-        pool = call.pool if call is not None else None
+        view = self._view(phase)
         ranks = []
         for rank in range(self.num_ranks):
-            state: str = phase
-            if call is not None and phase in (RUNNING, FINISHED, FAILED, CANCELLED):
-                state = call.rank_state(rank, stopped=phase != RUNNING)
-            info = pool.infos[rank] if pool is not None and pool.infos else None
-            ranks.append(
-                RankStatus(rank, state, info.node_ip if info else None, info.pid if info else None)
-            )
+            seen = view.ranks[rank] if view is not None else None
+            ran = phase in (RUNNING, FINISHED, FAILED, CANCELLED)
+            state = seen.state if seen is not None and ran else phase
+            node_ip, pid = (seen.node_ip, seen.pid) if seen is not None else (None, None)
+            ranks.append(RankStatus(rank, state, node_ip, pid))
         waiting = self._waiting_for if phase == PENDING else None
-        stopped = [r.rank for r in ranks if r.state == WAITING]
+        stopped = [r.rank for r in ranks if r.state == State.WAITING]
         if stopped and phase == RUNNING:
             which = f"ranks {rank_label(stopped)} wait"
             if len(stopped) == 1:
                 which = f"rank {stopped[0]} waits"
             waiting = f"{which} for a debugger (the attach command is in the output)"
         attempts = tuple(self._failed_attempts)
-        report = call.stall if call is not None and phase == RUNNING else None
+        report = view.stall if view is not None and phase == RUNNING else None
         stall = str(report) if report is not None else None
         return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts, stall)
+
+    def _view(self, phase: State) -> CallView | None:
+        """The running (or last) attempt's call as it is now, once its ranks started."""
+        call = self._call
+        return call.view(stopped=phase != RUNNING) if call is not None else None
 
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during this job (so far, while it runs)."""
         if self.log_dir is None:
             raise FileNotFoundError(f"job {self.name} has kept no log files (not started yet?)")
-        if self.call is not None and not self.done():
+        if self._call is not None and not self.done():
             with contextlib.suppress(ValueError):  # closed by the runner meanwhile
-                self.call.console.flush_files()
+                self._call.console.flush_files()
         return read_log(self.log_dir, rank)
 
     def stacks(self) -> dict[int, str]:
         """Each rank's current stacks, by rank, while the job runs ({} otherwise)."""
-        call = self.call
+        call = self._call
         return call.stacks() if call is not None and self.running() else {}
 
     def table(self) -> Table:
         """The ranks as a table (rank, node, state, elapsed, restarts, last output); when
         the job failed, the root cause first."""
-        status, call = self.status(), self.call
+        status = self.status()
+        last = self._view(status.state)
+        view = last if status.state == RUNNING else None
         ran = self._ran
         elapsed = (ran[1] if len(ran) > 1 else time.monotonic()) - ran[0] if ran else 0.0
         root = self._root_cause()
-        now = time.monotonic()
-        console = call.console if call is not None else None
-        running = call is not None and status.state == RUNNING
-        slow = {s.rank for s in call.slow} if call is not None and running else set()
         rows = [
             RankRow(
                 rank=r.rank,
                 node=r.node_ip or "-",
-                state=f"{r.state} (slow)" if r.rank in slow else r.state,
+                state=r.state,
                 elapsed=elapsed,
                 restarts=status.restarts,
-                last_line=console.last_lines[r.rank] if console is not None else "",
+                last_line=last.ranks[r.rank].last_line if last is not None else "",
                 root_cause=root is not None and root.rank == r.rank,
-                silent_s=(
-                    now - console.last_times[r.rank]
-                    if console is not None and r.state == State.RUNNING
-                    else None
-                ),
-                use=call.use(r.rank) if call is not None and running else "",
+                silent_s=view.ranks[r.rank].silent_s if view is not None else None,
+                slow=view is not None and view.ranks[r.rank].slow,
+                use=view.ranks[r.rank].use if view is not None else "",
             )
             for r in status.ranks
         ]
         rows.sort(key=lambda row: not row.root_cause)
         cause = describe(root, limit=200) if root is not None else None
-        report = call.stall if call is not None and running else None
+        report = view.stall if view is not None else None
         stall = report.line().removeprefix(f"[{self.name}] ") if report is not None else None
-        slowest = "; ".join(s.sentence() for s in call.slow) if call is not None and running else ""
+        slowest = "; ".join(s.sentence() for s in view.slow) if view is not None else ""
         return Table(f"[{self.name}] {status.state}", tuple(rows), cause, stall, slowest or None)
 
     def _repr_html_(self) -> str:
@@ -244,24 +243,24 @@ class Job(Future[list[R]]):
         state = CANCELLED if self.cancelled() else self._phase
         return f"<Job {self.name} {state}>"
 
-    # The runner's side.
+    # The runner's side: private to orchestrator.runner.
 
-    def attempt(self, call: Call) -> None:
+    def _attempt(self, call: Call) -> None:
         """Record that an attempt's ranks run `call` now."""
-        self.call = call
-        self.set_phase(RUNNING)
+        self._call = call
+        self._set_phase(RUNNING)
 
-    def set_phase(self, phase: State, waiting_for: str | None = None) -> None:
+    def _set_phase(self, phase: State, waiting_for: str | None = None) -> None:
         """Record the job's progress: pending (with what it waits for), starting, running."""
         self._waiting_for = waiting_for
         if phase == RUNNING and not self._ran:
             self._ran.append(time.monotonic())
         changed, self._phase = phase != self._phase, phase
-        if changed and self.view is not None:
+        if changed and self._cell is not None:
             detail = f": {waiting_for}" if waiting_for else ""
-            self.view.set_title(f"[{self.name}] {phase}{detail}")
+            self._cell.set_title(f"[{self.name}] {phase}{detail}")
 
-    def restarted(self, error: BaseException) -> None:
+    def _restarted(self, error: BaseException) -> None:
         """Record a failed attempt that is followed by a restart, and say so."""
         self._failed_attempts.append(summary(error))
         attempt = len(self._failed_attempts)
@@ -269,25 +268,25 @@ class Job(Future[list[R]]):
             f"attempt {attempt} failed: {self._failed_attempts[-1]}; "
             f"restarting all {self.num_ranks} ranks (restart {attempt})"
         )
-        if self.view is not None:
-            self.view.write("stderr", f"[{self.name}] {line}\n")
+        if self._cell is not None:
+            self._cell.write("stderr", f"[{self.name}] {line}\n")
         else:
             messages.warn(line, job=self.name)
-        self.set_phase(STARTING)
+        self._set_phase(STARTING)
 
-    def finish(self, value: list[R] | None = None, error: BaseException | None = None) -> None:
+    def _finish(self, value: list[R] | None = None, error: BaseException | None = None) -> None:
         """Settle the future with the ranks' results or the error (a cancelled job stays so).
 
         Done-callbacks run in the runner thread: a callback must not wait for another
         call of the same function (it would wait for itself).
         """
-        if self.stop_requested.is_set():
+        if self._stop_requested.is_set():
             return  # cancel() settles a job it stopped, and tells everyone
         self._phase = FAILED if error is not None else FINISHED
         self._error = error  # the table shows its root cause from the next redraw on
         why = f": {str(error).splitlines()[0]}" if error is not None else ""
         self._show(f"{self._phase}{why}")  # before the waiter wakes, so its cell sees it
-        self.discard()
+        self._discard()
         with contextlib.suppress(InvalidStateError):  # else cancel() won and tells everyone
             if error is not None:
                 self.set_exception(error)
@@ -295,7 +294,7 @@ class Job(Future[list[R]]):
                 assert value is not None, "a job settles with its results or an error"
                 self.set_result(value)
 
-    def discard(self) -> None:
+    def _discard(self) -> None:
         """Stop tracking a settled job, or one whose submit failed (for exit and GC)."""
         if len(self._ran) == 1:
             self._ran.append(time.monotonic())  # its elapsed time stops here
@@ -303,9 +302,9 @@ class Job(Future[list[R]]):
         self._owner = None
 
     def _show(self, ended: str) -> None:
-        if self.view is not None:
+        if self._cell is not None:
             with contextlib.suppress(Exception):  # the job settles whatever the display does
-                self.view.set_title(f"[{self.name}] {ended}")
+                self._cell.set_title(f"[{self.name}] {ended}")
 
 
 _live: set[Job[Any]] = set()

@@ -18,14 +18,27 @@ from typing import Any, Literal, TypedDict
 from typing_extensions import Unpack
 
 from orchestrator import placement
-from orchestrator.diagnose.stall import STALL_AFTER_S
 from orchestrator.errors import ConfigError
-from orchestrator.show.fold import FOLD_FROM_RANKS
-from orchestrator.show.logs import DEFAULT_PREFIX, unsafe_log_dir
 from orchestrator_workers import private
+
+STALL_AFTER_S = 60.0
+"""Default: seconds without progress before a call's report names who is where."""
+FOLD_FROM_RANKS = 8
+"""Folding is on by default when the console shows this many ranks or more."""
+DEFAULT_PREFIX = "[{name} r{rank}]"
+"""Default: how each rank's output lines begin."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def unsafe_log_dir(base: Path, why: str) -> str:
+    """What to say of a log folder another user could reach into."""
+    return (
+        f"log_dir={str(base)!r}: {why}, so another user could read or replace the ranks' "
+        "logs; give a folder of your own (the default is ~/.cache/orchestrator/logs), "
+        "or log_dir=False"
+    )
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.errors import PlacementError
+from orchestrator.show.text import format_resources
 
 
 @dataclass(frozen=True)
@@ -144,11 +145,3 @@ def _hint(request: Request, nodes: Sequence[tuple[str, Mapping[str, float]]]) ->
 
 def _fits(need: Mapping[str, float], total: Mapping[str, float]) -> bool:
     return all(total.get(k, 0) >= v for k, v in need.items())
-
-
-def format_resources(resources: Mapping[str, float]) -> str:
-    """CPU/GPU/custom resources as 'CPU: 2, GPU: 1' (no memory or node markers)."""
-    keys = sorted(
-        k for k in resources if not k.startswith(("node:", "bundle_group_")) and "memory" not in k
-    )
-    return ", ".join(f"{k}: {resources[k]:g}" for k in keys)

@@ -22,12 +22,12 @@ from orchestrator.channel import RankChannel, rank_stacks
 from orchestrator.connect import cluster, local
 from orchestrator.errors import PlacementTimeoutError, StopRequested
 from orchestrator.placement import Request
-from orchestrator.show import messages, notices
-from orchestrator.states import State
+from orchestrator.show import messages, notices, text
 from orchestrator_workers import environment, handoff
 from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
 from orchestrator_workers.environment import order_devices
 from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec, RemoteNode
+from orchestrator_workers.states import State
 
 _RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)  # type: ignore[call-overload]  # Ray's stubs omit this documented option
 _WAIT_NOTICE_S = 1.0
@@ -60,7 +60,7 @@ def parse_actor_name(name: str) -> tuple[str, str, int] | None:
 
 
 @dataclass(frozen=True)
-class Node:
+class PoolNode:
     """The ranks of one Ray node, as a call reaches them (see handoff)."""
 
     node_id: str
@@ -104,7 +104,7 @@ class Pool:
         """Each rank's place in the job; a call adds its own half (a CallSpec)."""
         self.packed_specs: list[bytes] = []
         """`specs`, pickled once for every call."""
-        self.nodes: list[Node] = []
+        self.nodes: list[PoolNode] = []
         """The ranks by node, for calls handed off (the first rank 0's)."""
         self.others: tuple[RemoteNode, ...] = ()
         """The nodes after the first, where rank 0 hands each call to them (on many nodes:
@@ -143,7 +143,7 @@ class Pool:
         checked = 0.0
         while not self._wait([ready]):
             waited = time.monotonic() - started
-            free = placement.format_resources(ray.available_resources())
+            free = text.format_resources(ray.available_resources())
             waiting_for = f"waiting for {self.request.describe()}; free now: {{{free}}}"
             self._on_phase(State.PENDING, waiting_for)
             if timeout is not None and waited >= timeout:
@@ -273,7 +273,7 @@ class Pool:
         for rank, info in enumerate(self.infos):
             by_node.setdefault(info.node_id, []).append(rank)
         self.nodes = [
-            Node(node_id, tuple(ranks), handoff.pack_peers([self._peer(r) for r in ranks]))
+            PoolNode(node_id, tuple(ranks), handoff.pack_peers([self._peer(r) for r in ranks]))
             for node_id, ranks in by_node.items()
         ]
         tree = int(os.environ.get(handoff.TREE, handoff.TREE_NODES))

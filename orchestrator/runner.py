@@ -16,31 +16,21 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
 
-from orchestrator import call, placement, shipping
+from orchestrator import call, placement, restart, shipping
 from orchestrator.connect import cluster
-from orchestrator.errors import (
-    CRASH,
-    BusyError,
-    DistributedError,
-    JobTimeoutError,
-    OrchestratorError,
-    StopRequested,
-)
+from orchestrator.errors import BusyError, OrchestratorError, StopRequested
 from orchestrator.job import Job
 from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
 from orchestrator.show import logs, messages
-from orchestrator.states import State
 from orchestrator_workers import environment
+from orchestrator_workers.states import State
 
 Plan = tuple[placement.Request, bool]
 """What a pool is to hold, and whether it simulates its nodes on one machine."""
 
-_SETTLE_S = 2.0
-"""Before a restart, how long ranks still running may take to return (else: stuck)."""
 _LINGER_S = 2.0
 """How long the runner thread waits for the next call before it ends."""
 
@@ -123,7 +113,7 @@ class Runner:
             try:
                 self._refuse_if_busy(options)  # under the lock: another thread may have won
             except BusyError:
-                job.discard()
+                job._discard()
                 raise
             self._queue.append((job, shipped, options, plan))
             self.last = job
@@ -189,9 +179,9 @@ class Runner:
                 job, shipped, options, plan = self._queue.popleft()
                 self.current = job
             try:
-                job.context.run(self._execute, job, shipped, options, plan)
+                job._context.run(self._execute, job, shipped, options, plan)
             except BaseException as exc:  # noqa: BLE001 - a bug here must not strand jobs
-                job.finish(error=exc)
+                job._finish(error=exc)
             finally:
                 with self._lock:
                     self.current = None
@@ -204,17 +194,17 @@ class Runner:
         A cancelled job is settled by cancel(); every other outcome here.
         """
         earlier: list[BaseException] = []
-        while not job.stop_requested.is_set():
+        while not job._stop_requested.is_set():
             try:
                 value = self._attempt(job, shipped, options, plan, earlier)
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
-                if isinstance(exc, StopRequested) or job.stop_requested.is_set():
+                if isinstance(exc, StopRequested) or job._stop_requested.is_set():
                     self.release()
                     return
-                if _restartable(exc, options, len(earlier)):
+                if restart.restartable(exc, options, len(earlier)):
                     earlier.append(exc)
-                    job.restarted(exc)
-                    if not self._repair(job.call, len(earlier), exc):
+                    job._restarted(exc)
+                    if not self._repair(job._call, len(earlier), exc):
                         plan = None  # a whole new pool, laid out on the nodes alive now
                     continue
                 # Ranks may be stuck in a collective: replace the whole pool next time.
@@ -222,18 +212,18 @@ class Runner:
                 if earlier and isinstance(exc, OrchestratorError) and not exc.earlier_attempts:
                     # Not from a call (which names them itself): the pool's start failed.
                     exc.earlier_attempts = tuple(earlier)
-                job.finish(error=exc)
+                job._finish(error=exc)
                 return
-            job.finish(value)
+            job._finish(value)
             return
 
     def _repair(self, failed: call.Call | None, attempt: int, error: BaseException) -> bool:
         """Replace only the failed call's broken ranks; False: the whole pool was released."""
         with contextlib.suppress(Exception):  # anything amiss (a stop too): a whole new pool
-            if failed is not None and failed.pool is self.pool:
-                settle_s = 0.0 if isinstance(error, JobTimeoutError) else _SETTLE_S
-                if failed.repair(attempt, settle_s=settle_s):
-                    return True
+            if failed is not None and failed.pool is self.pool and restart.repair(
+                failed, attempt, error
+            ):
+                return True
         self.release()
         return False
 
@@ -249,20 +239,18 @@ class Runner:
             self._box.pool = self._start(job, plan or _plan(options), shipped.uses_torch)
         pool = self.pool
         assert pool is not None
-        job.attempt(
-            call.Call(
-                pool,
-                shipped,
-                options,
-                log_dir=job.log_dir,
-                sink=job.view.write if job.view is not None else None,
-                stop=job.stop_requested,
-                restart_count=len(earlier),
-                earlier=earlier,
-            )
+        attempt = call.Call(
+            pool,
+            shipped,
+            options,
+            log_dir=job.log_dir,
+            sink=job._cell.write if job._cell is not None else None,
+            stop=job._stop_requested,
+            restart_count=len(earlier),
+            earlier=earlier,
         )
-        assert job.call is not None
-        return job.call.wait()
+        job._attempt(attempt)
+        return attempt.wait()
 
     def _start(self, job: Job[Any], plan: Plan, uses_torch: bool) -> Pool:
         request, simulate = plan
@@ -271,7 +259,7 @@ class Runner:
         def progress(phase: State, detail: str | None) -> None:
             if phase == State.PENDING:
                 _reclaim_idle(self.name)  # an idle warm pool of ours must not block a job
-            job.set_phase(phase, detail)
+            job._set_phase(phase, detail)
 
         return Pool(
             self.name,
@@ -282,7 +270,7 @@ class Runner:
             post_mortem=options.post_mortem,
             preload_torch=uses_torch,
             placement_timeout=options.placement_timeout,
-            stop=job.stop_requested,
+            stop=job._stop_requested,
             on_phase=progress,
         )
 
@@ -312,18 +300,6 @@ def _plan(options: Options) -> Plan:
     )
     placement.check_feasible(request, [(n.ip, n.resources) for n in nodes], one_node=simulate)
     return request, simulate
-
-
-def _restartable(error: BaseException, options: Options, restarts: int) -> bool:
-    """Whether a failed attempt is to be followed by another (max_restarts, restart_on)."""
-    if restarts >= options.max_restarts:
-        return False
-    if isinstance(error, RayActorError):  # an actor lost while the pool started
-        return True
-    if not isinstance(error, DistributedError):
-        return False
-    root = error.root_cause
-    return options.restart_on == "any" or (root is not None and root.exc_type == CRASH)
 
 
 def _reclaim_idle(waiting: str) -> None:

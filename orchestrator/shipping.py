@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import io
@@ -9,6 +10,7 @@ import linecache
 import pickle
 import sys
 import sysconfig
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -17,6 +19,7 @@ from typing import Any
 
 import cloudpickle
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator import _ray_compat
 from orchestrator.errors import ConfigError
@@ -46,6 +49,8 @@ class Shipment:
     """Whether the function or its arguments refer to torch: ranks then load it ahead."""
 
 
+FORGET_WAIT_S = 5.0
+"""After a failure, how long to wait for stopped ranks to be gone before cleaning up."""
 _INLINE_BYTES = 64 * 1024
 """Payloads up to this size are sent with each rank's task instead of through ray.put."""
 def ship(shipped: Payload, *, uses_torch: bool = True) -> Shipment:
@@ -59,6 +64,33 @@ def ship(shipped: Payload, *, uses_torch: bool = True) -> Shipment:
     if shipped.size() <= _INLINE_BYTES:
         return Shipment(pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL), uses_torch)
     return Shipment(ray.put(replace(shipped, call=pickle.PickleBuffer(shipped.call))), uses_torch)
+
+
+def forget_buffers(share_key: str, nodes: list[str], pending: list[ray.ObjectRef]) -> None:
+    """After a failed call's ranks were told to stop: remove what they left in /dev/shm.
+
+    A rank stopped before it mapped its node's copy of the large buffers never counts
+    itself, so the copy's name would stay. In the background: the ranks still running
+    (`pending`, their runs) are first given a moment to be gone (a rank killed is not
+    gone at once); then each of `nodes` (node ids) removes the call's copies.
+    """
+
+    def forget() -> None:
+        with contextlib.suppress(Exception):  # Ray shut down meanwhile: the sweep remains
+            if pending:
+                ray.wait(pending, num_returns=len(pending), timeout=FORGET_WAIT_S)
+            here = ray.get_runtime_context().get_node_id()
+            for node in nodes:
+                if node == here:
+                    sharing.remove(share_key)
+                else:
+                    affinity = NodeAffinitySchedulingStrategy(node, soft=False)
+                    _remote_remove.options(scheduling_strategy=affinity).remote(share_key)
+
+    threading.Thread(target=forget, name="forget buffers", daemon=True).start()
+
+
+_remote_remove = ray.remote(num_cpus=0)(sharing.remove)
 
 
 def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:

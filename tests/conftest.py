@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import ray
+import torch  # noqa: F401 - whole before any guard: its first import may run a subprocess
 from ray.cluster_utils import Cluster
 
 from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, NODES

@@ -30,9 +30,13 @@ def test_public_api_is_small_and_stable():
         "RankFailure",
         "RankStatus",
         "StallError",
+        "State",
         "default_log_dir",
         "distribute",
     ]
+    # One spelling per state: the enum compares equal to the words the API shows.
+    assert orchestrator.State.WAITING == "waiting for a debugger"
+    assert str(orchestrator.State.RUNNING) == "running"
     # Every public name a user's type checker can follow: a typed package (py.typed).
     for package in ("orchestrator", "orchestrator_workers"):
         assert (Path(importlib.import_module(package).__file__).parent / "py.typed").exists()

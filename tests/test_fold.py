@@ -216,7 +216,7 @@ def test_log_files_stay_unfolded(capsys, tmp_path):
 
 def test_folding_is_on_by_size_unless_the_option_says(capsys):
     from orchestrator import ConfigError
-    from orchestrator.show.fold import FOLD_FROM_RANKS
+    from orchestrator.options import FOLD_FROM_RANKS
 
     assert FOLD_FROM_RANKS == 8
     assert Console("j", 7).folder is None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ray.util import placement_group_table
 
-from orchestrator import DistributedError, PlacementError, distribute
+from orchestrator import DistributedError, PlacementError, distribute, testing
 from orchestrator_workers import handoff
 from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 
@@ -51,7 +51,7 @@ def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd, monke
     fn = distribute(crash_once, num_replicas=4, replicas_per_node=2, max_restarts=2, name="ft")
     job = fn.submit(str(tmp_path), dead)
     results = job.result(timeout=180)
-    assert bool(fn._runner.pool.others) == tree  # calls went through rank 0, or not
+    assert bool(testing.pool(fn).others) == tree  # calls went through rank 0, or not
     assert [(a, node, total) for a, node, _, total in results] == [
         ("1", "0", 4.0), ("1", "0", 4.0), ("1", "1", 4.0), ("1", "1", 4.0),
     ]
@@ -135,8 +135,9 @@ def test_losing_a_node_restarts_the_job_on_the_remaining_nodes(cluster):
     deadline = time.monotonic() + 90
     while job.status().state != "running" and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert job.call is not None
-    second_node = job.call.pool.infos[2].node_id  # ranks 2-3: never the driver's (head) node
+    view = testing.view(job)
+    assert view is not None
+    second_node = view.ranks[2].node_id  # ranks 2-3: never the driver's (head) node
     victim = next(n for n in cluster.list_all_nodes() if n.node_id == second_node)
     cluster.remove_node(victim, allow_graceful=False)
 

@@ -15,7 +15,7 @@ import cloudpickle
 import pytest
 
 import orchestrator
-from orchestrator import ConfigError, DistributedError, distribute, shipping
+from orchestrator import ConfigError, DistributedError, distribute, shipping, testing
 from orchestrator_workers import sharing
 
 # --- without Ray ---------------------------------------------------------------------------
@@ -265,10 +265,11 @@ def test_a_failed_call_removes_what_its_ranks_left_in_shm(cluster, tmp_path):
     with distribute(fail_when_told, num_replicas=2, replicas_per_node=2) as fn:
         job = fn.submit()
         deadline = time.monotonic() + 60
-        while job.call is None and time.monotonic() < deadline:
+        while testing.view(job) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         # As a rank killed before it counted itself would leave it:
-        left = sharing.SHM / f"{sharing.PREFIX}{job.call.share_key}-lost"
+        key = testing.view(job).key
+        left = sharing.SHM / f"{sharing.PREFIX}{key}-lost"
         left.write_bytes(b"x")
         go.touch()
         with pytest.raises(DistributedError, match="rank 1 fails"):
@@ -277,4 +278,4 @@ def test_a_failed_call_removes_what_its_ranks_left_in_shm(cluster, tmp_path):
     while left.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left.exists()
-    assert list(sharing.SHM.glob(f"{sharing.PREFIX}{job.call.share_key}*")) == []
+    assert list(sharing.SHM.glob(f"{sharing.PREFIX}{key}*")) == []

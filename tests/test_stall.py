@@ -367,7 +367,7 @@ def test_an_nccl_hang_names_the_last_collective_and_the_gpu_use(cluster):
         job = fn.submit(25.0)
         line = _until_reported(job, "rank 1 is at test_stall.py", "(last collective: nccl:")
         assert "nccl:all_reduce #" in line and "not done" in line, line
-        use = job.call.use(0)
+        use = next(r for r in job.table().rows if r.rank == 0).use
         assert "GPU" in use and "% busy" in use, use
         assert job.result() == [0, 1]
     finally:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import distribute
+from orchestrator import distribute, testing
 from orchestrator.connect import cluster, discovery
 from orchestrator.errors import ConfigError
 from orchestrator.show import logs
@@ -429,7 +429,7 @@ def test_the_rendezvous_store_listens_for_its_call_alone_on_the_ranks_interface(
         while not _refused(host, port):
             assert time.monotonic() < deadline, "the finished call's store stayed open"
             time.sleep(0.1)
-        reserved = fn._runner.pool.store_port
+        reserved = testing.pool(fn).store_port
         assert reserved != port and _refused(host, reserved)  # the next call's: reserved only
         if os.getuid() == 0:  # another user cannot take it between calls
             taken = _as_other_user(lambda: _try_to_take(host, reserved))
@@ -725,6 +725,33 @@ def test_torch_s_record_writes_into_our_0600_file_not_through_a_link(
     report = elastic.read(error_file, time.time() - 5)
     assert report is not None and "DB_PASSWORD" in report.message
     written.unlink()
+
+
+def test_each_call_s_error_file_is_new_and_empty(sticky_tmp: Path) -> None:
+    """Before every call the error file is an empty 0600 file the rank made: one that the
+    last call left empty is kept, one that torch wrote or that was replaced is made anew."""
+    from orchestrator_workers import elastic
+
+    error_file = elastic.error_file()
+    name = private.folder() / os.path.basename(error_file)
+    elastic.prepare(error_file)
+    made = os.stat(name)
+    elastic.prepare(error_file)  # left empty: the same file
+    assert os.stat(name).st_ino == made.st_ino
+    name.write_text('{"message": "an earlier call\'s"}')  # torch's record, a caught error
+    elastic.prepare(error_file)
+    assert name.read_text() == ""
+    assert stat.S_IMODE(os.stat(name).st_mode) == 0o600
+    name.unlink()
+    os.symlink(sticky_tmp / "elsewhere", name)  # replaced: removed, made anew
+    elastic.prepare(error_file)
+    found = os.lstat(name)
+    assert stat.S_ISREG(found.st_mode) and found.st_size == 0
+    assert not (sticky_tmp / "elsewhere").exists()
+    os.chmod(name, 0o644)
+    elastic.prepare(error_file)
+    assert stat.S_IMODE(os.stat(name).st_mode) == 0o600
+    name.unlink()
 
 
 @as_root

@@ -22,7 +22,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from orchestrator_workers import capture
-from orchestrator_workers.protocol import ATTACHED, WAITING
+from orchestrator_workers.states import State
 
 TOKEN_VAR = "ORCHESTRATOR_DEBUG_TOKEN"  # noqa: S105 - a variable's name, not a secret
 """Where `orchestrator attach` reads the secret (not its argv: `ps` shows that to all)."""
@@ -49,10 +49,10 @@ class RemotePdb(pdb.Pdb):
             file=sys.__stderr__,
             flush=True,
         )
-        capture.tell_driver(WAITING)
+        capture.tell_driver(State.WAITING)
         conn, already = _accept_with(self._listener, token)
         self._listener.close()  # one session per stop: the secret is spent
-        capture.tell_driver(ATTACHED)
+        capture.tell_driver(State.ATTACHED)
         self._conn = conn
         reader = io.BufferedReader(_Prefixed(already, conn))  # commands sent with the secret
         self._in = io.TextIOWrapper(reader, encoding="utf-8", errors="replace")

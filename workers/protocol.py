@@ -12,7 +12,6 @@ EXIT_STREAM = "exit"
 """The pseudo-stream of the chunk that carries the status a rank passed to os._exit."""
 STATE_STREAM = "state"
 """The pseudo-stream of chunks that say what a rank waits on, e.g. a debugger ('' when nothing)."""
-WAITING, ATTACHED = "waiting for a debugger", "in a debugger"
 """A rank's states on STATE_STREAM while it stops at a breakpoint (job.status() shows them)."""
 
 
@@ -181,5 +180,5 @@ class OutputChunk:
     seq: int
     stream: str
     """"stdout" or "stderr"; or EXIT_STREAM (`data`: the status given to os._exit) or
-    STATE_STREAM (`data`: what the rank waits on now, e.g. WAITING; empty: nothing)."""
+    STATE_STREAM (`data`: what the rank waits on now, a State such as WAITING; empty: nothing)."""
     data: bytes

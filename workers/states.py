@@ -1,4 +1,8 @@
-"""The states a job and its ranks go through, as the public API spells them."""
+"""The states a job and its ranks go through, as the public API spells them.
+
+Defined on the rank side, where a rank says it waits for a debugger; the driver re-exports
+it as `orchestrator.State`.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,10 @@ class State(str, Enum):
     CANCELLED = "cancelled"
     STOPPED = "stopped"
     """A rank stopped because another rank failed or the job was cancelled."""
+    WAITING = "waiting for a debugger"
+    """A rank stopped at a breakpoint, until `orchestrator attach` reaches it."""
+    ATTACHED = "in a debugger"
+    """A rank whose pdb a terminal drives."""
 
     def __str__(self) -> str:
         """The plain word, as in "train: running"."""

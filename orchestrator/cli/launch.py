@@ -19,7 +19,7 @@ from orchestrator.connect import cluster, discovery, probe
 from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, LaunchError
 from orchestrator.options import clean_name
-from orchestrator.show import messages
+from orchestrator.show import messages, text
 from orchestrator_workers.script import Script, ScriptExit, run_script
 
 EXIT_FAILED = 1
@@ -283,7 +283,7 @@ def _join_and_ship(address: str, root: Path, options: RunOptions) -> None:
     measured = upload.check_upload(root, excludes, options.max_upload)
     size = "size unknown"
     if measured is not None:
-        size = f"{measured.files} files, {upload.format_size(measured.total)}"
+        size = f"{measured.files} files, {text.format_size(measured.total)}"
     why = "" if root == Path.cwd().resolve() else " (the script's folder: it is outside this one)"
     messages.say(f"shipping {root}{why} to the cluster at {address}: {size}")
     probe.check_reachable(address, "address")

@@ -12,7 +12,6 @@ import ray
 from ray.exceptions import RayError
 
 from orchestrator.channel import rank_stacks
-from orchestrator.cli.upload import format_size
 from orchestrator.connect import cluster, local, probe, tokens
 from orchestrator.connect.discovery import cluster_address
 from orchestrator.diagnose import stall
@@ -20,6 +19,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
 from orchestrator.show import messages
 from orchestrator.show.summary import group_stacks, stacks_title
+from orchestrator.show.text import format_size
 
 
 def connect_existing(address: str | None) -> None:

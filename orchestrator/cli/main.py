@@ -11,6 +11,7 @@ from orchestrator.cli import launch, lookup, torchrun, upload
 from orchestrator.cli.attach import attach
 from orchestrator.connect import cluster, local
 from orchestrator.errors import LaunchError, OrchestratorError
+from orchestrator.show import text
 from orchestrator_workers import private
 
 RUN_EXAMPLE = """\
@@ -78,7 +79,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
                 initial_indent="  ",
                 subsequent_indent="  ",
             ),
-            "limit": upload.format_size(upload.DEFAULT_MAX_UPLOAD),
+            "limit": text.format_size(upload.DEFAULT_MAX_UPLOAD),
         },
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [options] (SCRIPT | -m MODULE) [script args ...]",
@@ -162,7 +163,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         default=upload.DEFAULT_MAX_UPLOAD,
         metavar="SIZE",
         help="largest working dir to ship, e.g. 500M or 2G "
-        f"(default: {upload.format_size(upload.DEFAULT_MAX_UPLOAD)})",
+        f"(default: {text.format_size(upload.DEFAULT_MAX_UPLOAD)})",
     )
     run_cmd.add_argument(
         "--no-upload",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import placement
-from orchestrator.connect.cluster import Node
+from orchestrator.connect.cluster import ClusterNode
 from orchestrator.errors import LayoutError
 
 SYMBOLIC = ("gpu", "cpu", "auto")
@@ -75,7 +75,7 @@ def parse_nnodes(text: str) -> int:
     return nodes
 
 
-def per_node_for(given: str, nodes: Sequence[Node], *, one_machine: bool) -> int:
+def per_node_for(given: str, nodes: Sequence[ClusterNode], *, one_machine: bool) -> int:
     """--nproc-per-node `given` as a number, against the nodes of the cluster that runs the job.
 
     gpu: the GPUs of a node, as Ray reports them (the fewest, where nodes differ); cpu: its

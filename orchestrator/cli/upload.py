@@ -9,6 +9,7 @@ from pathlib import Path
 
 from orchestrator import _ray_compat
 from orchestrator.errors import LaunchError
+from orchestrator.show.text import format_size
 
 DEFAULT_EXCLUDES = (
     ".git",
@@ -38,7 +39,6 @@ DEFAULT_MAX_UPLOAD = 100 * 1024**2
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
-
 @dataclass(frozen=True)
 class Measurement:
     """What a working dir upload would hold, after excludes."""
@@ -56,19 +56,6 @@ def parse_size(text: str) -> int:
         raise ValueError(f"{text!r} is not a size; e.g. 500M, 2G, 1.5GB or 1048576")
     power = " KMGT".index((match[2] or " ").upper())
     return int(float(match[1]) * 1024**power)
-
-
-def format_size(size: float) -> str:
-    """'1.5 GB', '12 MB', '640 B' (powers of 1024)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024:
-            return (
-                f"{size:.0f} {unit}"
-                if unit == "B"
-                else f"{size:.1f}".removesuffix(".0") + f" {unit}"
-            )
-        size /= 1024
-    return f"{size:.1f} TB"
 
 
 def measure(root: Path, excludes: Sequence[str]) -> Measurement | None:
@@ -120,4 +107,3 @@ def check_upload(root: Path, excludes: Sequence[str], limit: int) -> Measurement
 def _round_up(size: int) -> str:
     gib = size / 1024**3
     return f"{int(gib) + 1}G" if gib >= 1 else f"{int(size / 1024**2) + 1}M"
-

@@ -25,7 +25,7 @@ _embedded = False
 
 
 @dataclass(frozen=True)
-class Node:
+class ClusterNode:
     """A live node as Ray reports it."""
 
     node_id: str
@@ -100,10 +100,10 @@ def count_nodes(address: str) -> int | None:
     return _ray_compat.alive_nodes(address)
 
 
-def nodes() -> list[Node]:
+def nodes() -> list[ClusterNode]:
     """The cluster's live nodes."""
     return [
-        Node(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]))
+        ClusterNode(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]))
         for n in ray.nodes()
         if n.get("Alive")
     ]

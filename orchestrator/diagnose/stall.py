@@ -22,16 +22,13 @@ import ray
 from ray.exceptions import RayError
 
 from orchestrator.diagnose.straggle import Shares
-from orchestrator.show.fold import rank_label
-from orchestrator.show.notebook import clock
+from orchestrator.show.text import clock, rank_label
 from orchestrator_workers.places import UNSEEN, Frame, Place, place_of
 from orchestrator_workers.where import Where
 
 if TYPE_CHECKING:
     from orchestrator.pool import Pool
 
-STALL_AFTER_S = 60.0
-"""Default: seconds without progress before a call's report names who is where."""
 ANSWER_S = 10.0
 """A rank that has not looked at its stack for this long does not answer: a C call
 holding the GIL, a stopped process."""
@@ -55,7 +52,7 @@ def format_stack(frames: Sequence[Frame]) -> str:
 
 
 @dataclass(frozen=True)
-class Group:
+class PlaceGroup:
     """Ranks at one place, all making progress or all not."""
 
     ranks: tuple[int, ...]
@@ -101,7 +98,7 @@ class StallReport:
     name: str
     since_s: float
     """How long the ranks without progress have had none (the least among them)."""
-    groups: tuple[Group, ...]
+    groups: tuple[PlaceGroup, ...]
     """The ranks without progress, fewest first; then those that moved lately."""
     returned: tuple[int, ...] = ()
     """Ranks whose function has returned while these run."""
@@ -223,7 +220,7 @@ def report(
     for (place, answers), members in seen.items():
         first = members[0][2]
         groups.append(
-            Group(
+            PlaceGroup(
                 ranks=tuple(rank for rank, _, _ in members),
                 place=place,
                 moving=all(since < after_s for _, since, _ in members),
@@ -297,27 +294,6 @@ class Watch:
                 pids = {r: self.pool.infos[r].pid for r in ranks}
                 self.pending[self.pool.actors[reader].where.remote(pids)] = (node, reader, now)
         return self.next_read
-
-    def report(
-        self,
-        name: str,
-        now: float,
-        running: Collection[int],
-        last_output: Sequence[float],
-        *,
-        returned: Collection[int] = (),
-    ) -> StallReport | None:
-        """The report on the ranks as last read (see `report`)."""
-        return report(
-            name,
-            now,
-            self.where,
-            running,
-            last_output,
-            after_s=self.after_s,
-            returned=returned,
-            mute=self.mute,
-        )
 
 
 def newer(entry: Where, kept: Where | None) -> bool:

@@ -23,12 +23,12 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from orchestrator.options import FOLD_FROM_RANKS
+
 FOLD_WAIT_S = 0.5
 """The longest a fold waits for the ranks that have not written its line yet."""
 LATE_S = 10.0
 """A rank's line this long after its fold was shown without it is no longer late."""
-FOLD_FROM_RANKS = 8
-"""Folding is on by default when the console shows this many ranks or more."""
 
 _NUMBER = re.compile(
     r"((?:(?<![\w.])[-+])?(?<![0-9.])(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)"
@@ -47,17 +47,6 @@ _CHAINED = ("During handling of the above exception", "The above exception was t
 def fold_by_default(shown_ranks: int) -> bool:
     """Whether output is folded when the caller left it to us (fold_output=None)."""
     return shown_ranks >= FOLD_FROM_RANKS
-
-
-def rank_label(ranks: Collection[int]) -> str:
-    """`ranks` as runs: [0, 1, 2, 3, 5] -> "0-3,5"."""
-    runs: list[list[int]] = []
-    for rank in sorted(ranks):
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from orchestrator.options import DEFAULT_PREFIX, unsafe_log_dir
 from orchestrator.show import messages
-from orchestrator.show.fold import Folded, Folder, fold_by_default, rank_label
+from orchestrator.show.fold import Folded, Folder, fold_by_default
+from orchestrator.show.text import rank_label
 from orchestrator_workers import private
 from orchestrator_workers.protocol import RAY_MARKERS, OutputChunk
 
@@ -23,7 +25,6 @@ PARTIAL_DELAY_S = 0.2
 """A line without its newline yet is shown after this long (a prompt, a progress bar)."""
 PROGRESS_INTERVAL_S = 1.0
 """A progress bar redrawn with carriage returns is shown at most this often."""
-DEFAULT_PREFIX = "[{name} r{rank}]"
 
 _COLOURS = (36, 32, 33, 35, 34, 91, 92, 93, 94, 95, 96)
 _RAY_MARKERS = tuple(marker.decode() for marker in RAY_MARKERS)
@@ -270,15 +271,6 @@ def make_call_folder(folder: Path) -> None:
         found = os.lstat(folder)
         if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
             raise private.UnsafeFolderError(f"{folder} was not made by this job") from None
-
-
-def unsafe_log_dir(base: Path, why: str) -> str:
-    """What to say of a log folder another user could reach into."""
-    return (
-        f"log_dir={str(base)!r}: {why}, so another user could read or replace the ranks' "
-        "logs; give a folder of your own (the default is ~/.cache/orchestrator/logs), "
-        "or log_dir=False"
-    )
 
 
 def _open_log(path: Path) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.show import summary
+from orchestrator.show.text import clock
 
 MAX_LINES = 1000
 """Lines a cell shows at most; older ones are only in the job's log files."""
@@ -54,8 +55,15 @@ class RankRow:
     root_cause: bool = False
     silent_s: float | None = None
     """While it runs: how long since it last wrote anything."""
+    slow: bool = False
+    """While it runs: named slower than its peers."""
     use: str = ""
     """While it runs: its process's CPU and memory ('1.0 cores, 0.3 GB'), where read."""
+
+
+def _state(row: RankRow) -> str:
+    """The row's state as shown: 'running (slow)' for a slow rank."""
+    return f"{row.state} (slow)" if row.slow else row.state
 
 
 _HEADER = ("rank", "node", "state", "elapsed", "restarts", "CPU, memory", "last output")
@@ -82,10 +90,10 @@ class Table:
         """Whether it shows groups rather than a row per rank (`full`: None, by its size)."""
         return not full and len(self.rows) >= summary.SUMMARY_FROM_RANKS
 
-    def groups(self) -> list[summary.Group]:
+    def groups(self) -> list[summary.StateGroup]:
         """Its ranks grouped by state and node, odd ones first (see orchestrator.summary)."""
         views = [
-            summary.RankView(r.rank, r.node, r.state, r.last_line, r.root_cause, r.silent_s)
+            summary.RankView(r.rank, r.node, _state(r), r.last_line, r.root_cause, r.silent_s)
             for r in self.rows
         ]
         return summary.group(views)
@@ -141,7 +149,7 @@ class Table:
                     (
                         f"r{r.rank}",
                         r.node,
-                        r.state + (" (root cause)" if r.root_cause else ""),
+                        _state(r) + (" (root cause)" if r.root_cause else ""),
                         clock(r.elapsed),
                         str(r.restarts),
                         r.use,
@@ -251,11 +259,3 @@ class CellOutput:
                 return {"text/plain": text}
             table = Table(self._title, table.rows, table.cause)
             return {"text/plain": table.text(output), "text/html": table.html(output)}
-
-
-def clock(seconds: float) -> str:
-    """0:42, 12:05, 1:02:03."""
-    whole = int(seconds)
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

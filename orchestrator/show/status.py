@@ -12,12 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from orchestrator.show import messages
-from orchestrator.show.notebook import clock
 from orchestrator.show.summary import states_line
+from orchestrator.show.text import clock
+
+if TYPE_CHECKING:
+    from orchestrator.view import CallView
 
 logger = logging.getLogger("orchestrator.status")
 QUIET_S = 10.0
@@ -52,19 +56,17 @@ class StatusLine:
         name: str,
         num_ranks: int,
         started: float,
-        states: Callable[[], Iterable[tuple[int, str]]] | None = None,
-        notice: Callable[[], Notice | None] | None = None,
+        view: Callable[[], CallView] | None = None,
     ) -> None:
-        """A line not shown yet; `tick` decides when. `states()`: each rank's state, by
-        rank; where they differ, the line says which ranks are in which. `notice()`:
-        what the user must know now (ranks without progress, slow ranks), if anything:
-        the line says it instead, at once when it changed (and in full, with a stack per
-        place, where the line is not redrawn in place)."""
+        """A line not shown yet; `tick` decides when. `view()`: the call as it is now.
+        Where its ranks' states differ, the line says which ranks are in which; its
+        notice (ranks without progress, slow ranks), if any, the line says instead, at
+        once when it changed (and in full, with a stack per place, where the line is not
+        redrawn in place)."""
         self.name = name
         self.num_ranks = num_ranks
         self.started = started
-        self._states = states
-        self._notice = notice
+        self._view = view
         self._notice_shown: object = None
         self._shown_at: float | None = None
         self._in_place: bool | None = None
@@ -76,7 +78,8 @@ class StatusLine:
             return None
         quiet_since = max(last_output, self.started)
         due = max(self.started + QUIET_S, quiet_since + QUIET_S)
-        report = self._notice() if self._notice is not None else None
+        view = self._view() if self._view is not None else None
+        report = view.notice if view is not None else None
         if report is None:
             self._notice_shown = None  # the same notice, back later, is said at once
         if now < due and report is None:
@@ -92,7 +95,7 @@ class StatusLine:
         if self._shown_at is not None and now < self._shown_at + every:
             return self._shown_at + every
         self._shown_at = now
-        states = list(self._states()) if self._states is not None else []
+        states = [(r.rank, r.state) for r in view.ranks] if view is not None else []
         running = f"{self.num_ranks} ranks running"
         if len({state for _, state in states}) > 1:  # e.g. one waits for a debugger
             running = f"{self.num_ranks} ranks ({states_line(states)})"

@@ -15,7 +15,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from orchestrator.show.fold import fold_lines, rank_label
+from orchestrator.show.fold import fold_lines
+from orchestrator.show.text import rank_label
 
 SUMMARY_FROM_RANKS = 16
 """From this many ranks a table summarizes: 16 rows still fit a screen, 32 do not."""
@@ -24,7 +25,7 @@ SILENT_S = 60.0
 
 
 @dataclass(frozen=True)
-class Group:
+class StateGroup:
     """Ranks shown as one row: one state (and, for odd ones, one node)."""
 
     state: str
@@ -62,7 +63,7 @@ class RankView:
     """How long it has written nothing, while running; None where not known."""
 
 
-def group(ranks: Sequence[RankView]) -> list[Group]:
+def group(ranks: Sequence[RankView]) -> list[StateGroup]:
     """`ranks` grouped: the root cause, then the odd ones (fewest first), then the usual."""
     if not ranks:
         return []
@@ -74,7 +75,7 @@ def group(ranks: Sequence[RankView]) -> list[Group]:
         odd = state != usual or r.root_cause
         buckets.setdefault((state, r.root_cause, odd, r.node if odd else ""), []).append(r)
     groups = [
-        Group(
+        StateGroup(
             state=state,
             ranks=tuple(r.rank for r in members),
             nodes=tuple(dict.fromkeys(r.node for r in members)),

@@ -1,0 +1,116 @@
+"""The watching a call runs: where its ranks are, who makes no progress, who is slow, and
+what each uses. The call asks it to look; it never looks back into the call."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from orchestrator.diagnose.stall import StallReport, Watch, report
+from orchestrator.diagnose.straggle import Straggler
+from orchestrator.show.status import Notice
+
+if TYPE_CHECKING:
+    from orchestrator.pool import Pool
+
+JUDGE_S = 1.0
+"""While ranks are read, how often who makes no progress is worked out."""
+PENDING_S = 0.1
+"""While readings are on their way, how soon to look again (they are taken in then)."""
+
+
+class Monitor:
+    """Watches one call's ranks (see `stall.Watch`): the stall report, the slow ranks, and
+    what the status line must say, as last worked out."""
+
+    def __init__(self, pool: Pool, started: float, after_s: float, on_stall: str) -> None:
+        """A monitor of `pool`'s ranks for a call started at `started` (monotonic)."""
+        self.name = pool.name
+        self.watch = Watch(pool, started, after_s)
+        self.on_stall = on_stall
+        self.stall: StallReport | None = None
+        """Ranks without progress for `after_s`: who is where (None: all move)."""
+        self.slow: list[Straggler] = []
+        """Ranks slower than their peers, the slowest first (see diagnose.straggle)."""
+        self.notice: Notice | None = None
+        """What the status line must say now, as last worked out."""
+        self._judged = 0.0
+        self._compared = 0
+        """Node readings the slow ranks were last worked out from."""
+
+    @property
+    def after_s(self) -> float:
+        """How long ranks may make no progress before they are reported."""
+        return self.watch.after_s
+
+    def look(
+        self,
+        now: float,
+        *,
+        call_key: str,
+        running: set[int],
+        results: Collection[int],
+        waits_on: Mapping[int, str],
+        last_output: Sequence[float],
+    ) -> float:
+        """Read where the ranks are when due, and work out who makes no progress; when next.
+
+        `running`: ranks whose outcome has not come; `results`: ranks that returned;
+        `waits_on`: what ranks wait on beyond their work (a debugger holds the others).
+        """
+        watch = self.watch
+        due = watch.tick(now)
+        if watch.pending:  # readings on their way are taken in at the next look
+            due = min(due, now + PENDING_S)
+        if (watch.where or watch.mute) and now >= self._judged + JUDGE_S:
+            self._judged = now
+            returned = set(results) | {
+                rank
+                for rank, (where, _) in watch.where.items()
+                if where.call == call_key and not where.running
+            }  # a handed-off call's outcomes come together, once all are done
+            moving = running - returned
+            self.stall = None
+            if not any(waits_on.values()):
+                self.stall = report(
+                    self.name, now, watch.where, moving, last_output,
+                    after_s=watch.after_s, returned=returned, mute=watch.mute,
+                )
+            if self.stall is not None:
+                self.slow = []
+            elif watch.readings != self._compared:  # new counts: compare the ranks again
+                self._compared = watch.readings
+                self.slow = watch.shares.stragglers(moving, now)
+            self.notice = self._notice()
+        return min(due, self._judged + JUDGE_S) if watch.where else due
+
+    def ends_call(self) -> StallReport | None:
+        """The stall report that ends the call (on_stall='raise'), if any.
+
+        Raise mode, the user's choice, ends the call once ranks have waited `after_s`,
+        even for one that moves (rank 0 saving a checkpoint while its peers wait at a
+        barrier): the report says just that.
+        """
+        return self.stall if self.on_stall == "raise" else None
+
+    def use(self, rank: int) -> str:
+        """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB 87% busy'."""
+        found = self.watch.where.get(rank)
+        if found is None or not found[0].running:
+            return ""
+        where = found[0]
+        text = f"{where.process_cpu:.1f} cores, {where.rss_mb / 1024:.1f} GB"
+        if where.gpu_mb is not None:
+            text += f", GPU {where.gpu_mb / 1024:.1f} GB"
+            text += f" {where.gpu_busy}% busy" if where.gpu_busy is not None else ""
+        return text
+
+    def _notice(self) -> Notice | None:
+        """What the status line must say now: ranks without progress, or slow ones."""
+        if self.stall is not None:  # said again at once when who waits where changes
+            key = tuple((g.ranks, str(g.place)) for g in self.stall.groups if not g.moving)
+            return Notice(key, self.stall.line(), str(self.stall))
+        if self.slow:
+            line = f"[{self.name}] " + "; ".join(s.sentence() for s in self.slow)
+            return Notice(tuple(s.rank for s in self.slow), line, line)
+        return None

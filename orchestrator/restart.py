@@ -1,0 +1,39 @@
+"""Restarts: whether a failed attempt is followed by another, and which ranks are replaced.
+
+Healthy ranks (finished, or failed only because a peer did) keep their warm processes,
+so a restart costs one actor start, not a whole pool's.
+"""
+
+from __future__ import annotations
+
+from ray.exceptions import RayActorError
+
+from orchestrator.call import Call
+from orchestrator.errors import CRASH, DistributedError, JobTimeoutError
+from orchestrator.options import Options
+
+SETTLE_S = 2.0
+"""Before a restart, how long ranks still running may take to return (else: stuck)."""
+
+
+def restartable(error: BaseException, options: Options, restarts: int) -> bool:
+    """Whether a failed attempt is to be followed by another (max_restarts, restart_on)."""
+    if restarts >= options.max_restarts:
+        return False
+    if isinstance(error, RayActorError):  # an actor lost while the pool started
+        return True
+    if not isinstance(error, DistributedError):
+        return False
+    root = error.root_cause
+    return options.restart_on == "any" or (root is not None and root.exc_type == CRASH)
+
+
+def repair(call: Call, attempt: int, error: BaseException) -> bool:
+    """Replace `call`'s broken ranks in its pool for attempt number `attempt`; False where
+    the whole pool must go instead.
+
+    Ranks still running may first take SETTLE_S to return (a peer's death reaches gloo
+    ranks in moments); none after a timeout, where they are all stuck.
+    """
+    broken = call.settle(0.0 if isinstance(error, JobTimeoutError) else SETTLE_S)
+    return len(broken) < len(call.pool.actors) and call.pool.replace(broken, attempt)
