@@ -18,10 +18,13 @@ from tests.helpers import cli, cli_env, show, write
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = sorted(
-    {p.stem for folder in ("orchestrator", "workers") for p in (ROOT / folder).glob("*.py")}
+    (
+        {p.stem for folder in ("orchestrator", "workers") for p in (ROOT / folder).rglob("*.py")}
+        | {d.name for d in (ROOT / "orchestrator").iterdir() if (d / "__init__.py").exists()}
+    )
     - {"__init__", "__main__"}
 )
-"""Every module name of ours, as a user's top-level module could be named."""
+"""Every module and subpackage name of ours, as a user's top-level module could be named."""
 
 REPORT = """\
 import json, os, sys
