@@ -126,10 +126,13 @@ class DistributedError(OrchestratorError):
         """The full report (the message is built from the failure records)."""
         if self.root_cause is None:
             return super().__str__()
-        report = format_report(self.root_cause, self.failures)
-        if self.log_dir is not None:
-            report += f"\n\nEvery rank's output: {self.log_dir}/rank-N.log"
-        return report + format_earlier(self.earlier_attempts)
+        return format_report(self.root_cause, self.failures) + self._ending()
+
+    def _ending(self) -> str:
+        """What every report of a failed call ends with: where the output is, and the
+        earlier attempts."""
+        where = f"\n\nEvery rank's output: {self.log_dir}/rank-N.log" if self.log_dir else ""
+        return where + format_earlier(self.earlier_attempts)
 
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during the failed call."""
@@ -173,9 +176,7 @@ class JobTimeoutError(DistributedError, TimeoutError):
         ]
         for rank in sorted(self.stacks):
             lines += ["", f"--- {self.where.get(rank, f'rank {rank}')} ---", self.stacks[rank]]
-        if self.log_dir is not None:
-            lines += ["", f"Every rank's output: {self.log_dir}/rank-N.log"]
-        return "\n".join(lines) + format_earlier(self.earlier_attempts)
+        return "\n".join(lines) + self._ending()
 
 
 class StallError(JobTimeoutError):
@@ -209,9 +210,7 @@ class StallError(JobTimeoutError):
             "stopped (on_stall='raise').",
             self.report,
         ]
-        if self.log_dir is not None:
-            lines += ["", f"Every rank's output: {self.log_dir}/rank-N.log"]
-        return "\n".join(lines) + format_earlier(self.earlier_attempts)
+        return "\n".join(lines) + self._ending()
 
 
 def _restore(cls: type[DistributedError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
