@@ -196,7 +196,8 @@ class Call:
                 self._end(self.timeout or 0.0)
             output.request()
             looked = self._look(now)
-            status = self.status.tick(now, console.last_output) if self.status else None
+            notice = self.monitor.notice if self.monitor is not None else None
+            status = self.status.tick(now, console.last_output, notice) if self.status else None
             wake = [
                 t
                 for t in (self.gather_until, self.time_limit, console.tick(now), status, looked)

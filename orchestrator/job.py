@@ -156,12 +156,20 @@ class Job(Future[list[R]]):
 
     def status(self) -> JobStatus:
         """The job's state, each rank's state, and while pending what it waits for."""
+        return self._status(*self._now())
+
+    def _now(self) -> tuple[State, CallView | None]:
+        """The job's phase, and its running (or last) attempt's call as it is now, once
+        its ranks started."""
         phase = CANCELLED if self.cancelled() else self._phase
-        view = self._view(phase)
+        call = self._call
+        return phase, call.view(stopped=phase != RUNNING) if call is not None else None
+
+    def _status(self, phase: State, view: CallView | None) -> JobStatus:
         ranks = []
+        ran = phase in (RUNNING, FINISHED, FAILED, CANCELLED)
         for rank in range(self.num_ranks):
             seen = view.ranks[rank] if view is not None else None
-            ran = phase in (RUNNING, FINISHED, FAILED, CANCELLED)
             state = seen.state if seen is not None and ran else phase
             node_ip, pid = (seen.node_ip, seen.pid) if seen is not None else (None, None)
             ranks.append(RankStatus(rank, state, node_ip, pid))
@@ -176,11 +184,6 @@ class Job(Future[list[R]]):
         report = view.stall if view is not None and phase == RUNNING else None
         stall = str(report) if report is not None else None
         return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts, stall)
-
-    def _view(self, phase: State) -> CallView | None:
-        """The running (or last) attempt's call as it is now, once its ranks started."""
-        call = self._call
-        return call.view(stopped=phase != RUNNING) if call is not None else None
 
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during this job (so far, while it runs)."""
@@ -199,9 +202,9 @@ class Job(Future[list[R]]):
     def table(self) -> Table:
         """The ranks as a table (rank, node, state, elapsed, restarts, last output); when
         the job failed, the root cause first."""
-        status = self.status()
-        last = self._view(status.state)
-        view = last if status.state == RUNNING else None
+        phase, last = self._now()
+        status = self._status(phase, last)
+        view = last if phase == RUNNING else None
         ran = self._ran
         elapsed = (ran[1] if len(ran) > 1 else time.monotonic()) - ran[0] if ran else 0.0
         root = self._root_cause()

@@ -23,7 +23,18 @@ import ray
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 180
-_INHERITED = ("RAY_ADDRESS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Variables a launcher or an enclosing Ray session would leave; what a test starts starts fresh.
+_INHERITED = (
+    "RAY_ADDRESS",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def cli_env(tmp: Path) -> dict[str, str]:
@@ -182,24 +193,12 @@ def sibling_attacks(marker: Path, for_s: float = 0) -> str:
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 EXAMPLE_TIMEOUT_S = 240  # generous: a 2-core machine may be busy with other tests' clusters
-# Variables a launcher or an enclosing Ray session would leave; the examples must start fresh.
-_LAUNCHER_VARS = (
-    "RAY_ADDRESS",
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 def run_example(*argv: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     """Run `examples/<argv>` from the repository root; fail with its output if it fails."""
     ray_tmp = tempfile.mkdtemp(prefix="rx", dir="/tmp")  # short: Ray's socket paths live here
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in _INHERITED}
     env["RAY_TMPDIR"] = ray_tmp
     # Unbuffered, print() writes text and newline apart: torchrun ranks sharing one pipe
     # would interleave their lines.

@@ -58,11 +58,9 @@ class StatusLine:
         started: float,
         view: Callable[[], CallView] | None = None,
     ) -> None:
-        """A line not shown yet; `tick` decides when. `view()`: the call as it is now.
-        Where its ranks' states differ, the line says which ranks are in which; its
-        notice (ranks without progress, slow ranks), if any, the line says instead, at
-        once when it changed (and in full, with a stack per place, where the line is not
-        redrawn in place)."""
+        """A line not shown yet; `tick` decides when. `view()`: the call as it is now,
+        asked only when the line is drawn; where its ranks' states differ, the line says
+        which ranks are in which."""
         self.name = name
         self.num_ranks = num_ranks
         self.started = started
@@ -72,17 +70,22 @@ class StatusLine:
         self._in_place: bool | None = None
         """Whether stderr is a terminal: asked once the line is first due (a call costs less)."""
 
-    def tick(self, now: float, last_output: float) -> float | None:
-        """Show the line if it is due; return when it may next be due (None: never)."""
+    def tick(
+        self, now: float, last_output: float, notice: Notice | None = None
+    ) -> float | None:
+        """Show the line if it is due; return when it may next be due (None: never).
+
+        `notice`: what the user must know now (ranks without progress, slow ranks; the
+        call's view's notice), if anything: the line says it instead, at once when it
+        changed (and in full, with a stack per place, where the line is not redrawn in
+        place)."""
         if not enabled():
             return None
         quiet_since = max(last_output, self.started)
         due = max(self.started + QUIET_S, quiet_since + QUIET_S)
-        view = self._view() if self._view is not None else None
-        report = view.notice if view is not None else None
-        if report is None:
+        if notice is None:
             self._notice_shown = None  # the same notice, back later, is said at once
-        if now < due and report is None:
+        if now < due and notice is None:
             return due
         # Redrawn only on a terminal of ours: an application's handler (or pytest's) would
         # make each redraw a line of its own.
@@ -90,11 +93,12 @@ class StatusLine:
             self._in_place = _is_terminal()
         in_place = self._in_place and not messages.configured(logger)
         every = REDRAW_S if in_place else REPEAT_S
-        if report is not None:
-            return self._show_notice(report, now, in_place, every)
+        if notice is not None:
+            return self._show_notice(notice, now, in_place, every)
         if self._shown_at is not None and now < self._shown_at + every:
             return self._shown_at + every
         self._shown_at = now
+        view = self._view() if self._view is not None else None
         states = [(r.rank, r.state) for r in view.ranks] if view is not None else []
         running = f"{self.num_ranks} ranks running"
         if len({state for _, state in states}) > 1:  # e.g. one waits for a debugger
