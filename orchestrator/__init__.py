@@ -3,6 +3,7 @@
 from orchestrator.distribute import DistributedFunction, distribute
 from orchestrator.errors import (
     BusyError,
+    ClusterMismatchError,
     ClusterUnreachableError,
     ConfigError,
     DistributedError,
@@ -20,6 +21,7 @@ from orchestrator_workers.states import State
 __all__ = [
     "BusyError",
     "CallOptions",
+    "ClusterMismatchError",
     "ClusterUnreachableError",
     "ConfigError",
     "DistributedError",

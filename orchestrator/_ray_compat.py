@@ -276,3 +276,47 @@ def untyped_storage(typed: Any) -> Any:
         _fell_back("untyped_storage", "TypedStorage._untyped_storage is gone")
         return typed.untyped()
     return untyped
+
+
+def by_value(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, whose module Ray's pickler then ships by value: it runs on nodes without it.
+
+    Degraded (`fn` as it is): Ray pickles it by reference, and a node without this
+    package cannot run it; the caller takes that as "this node has nothing of ours".
+    """
+    try:
+        from ray import cloudpickle as ray_cloudpickle
+
+        ray_cloudpickle.register_pickle_by_value(importlib.import_module(fn.__module__))
+    except (ImportError, AttributeError, ValueError) as exc:
+        _fell_back("by_value", exc)
+    return fn
+
+
+def upload_module(folder: Path) -> str:
+    """Upload `folder` (a package, shipped under its own name) to the connected cluster's
+    GCS once per content; the URI that Ray's `py_modules` takes.
+
+    Degraded: the folder's path, which Ray hashes and uploads at each actor's start.
+    """
+    try:
+        from ray._private.runtime_env import packaging
+
+        uri_for, upload = packaging.get_uri_for_directory, packaging.upload_package_if_needed
+        if not _has_parameters(uri_for, "directory", "include_gitignore") or not _has_parameters(
+            upload, "pkg_uri", "base_directory", "module_path", "include_parent_dir"
+        ):
+            raise AttributeError("packaging's upload functions changed")
+    except (ImportError, AttributeError) as exc:
+        _fell_back("upload_module", exc)
+        return str(folder)
+    uri = uri_for(str(folder), include_gitignore=False)
+    upload(
+        uri,
+        str(folder.parent),
+        str(folder),
+        include_gitignore=False,
+        include_parent_dir=True,
+        logger=logging.getLogger(__name__),
+    )
+    return uri

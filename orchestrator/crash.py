@@ -9,7 +9,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.connect import cluster
+from orchestrator.connect import cluster, rankside
 from orchestrator.errors import CRASH
 from orchestrator_workers.protocol import NodeInfo, OutputChunk, RankFailure
 from orchestrator_workers.tail import read_tail
@@ -28,9 +28,9 @@ def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
         leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
     else:
         affinity = NodeAffinitySchedulingStrategy(info.node_id, soft=False)
-        ref = _remote_read_tail.options(scheduling_strategy=affinity).remote(
-            info.tail_path, _LEFTOVER_WAIT_S
-        )
+        ref = _remote_read_tail.options(
+            scheduling_strategy=affinity, runtime_env=rankside.runtime_env(info.node_id, None)
+        ).remote(info.tail_path, _LEFTOVER_WAIT_S)
         done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
         leftovers = ray.get(done[0]) if done else None
     unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]

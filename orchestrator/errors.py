@@ -11,6 +11,8 @@ OrchestratorError
  │                                   the function's previous call still runs
  ├── ClusterUnreachableError         no Ray cluster answers at the address given
  │                                   (also ConnectionError)
+ ├── ClusterMismatchError            the cluster runs another Ray or Python, or a node
+ │                                   lacks torch: says what to install where
  ├── PlacementError                  the cluster can never hold the request
  │    └── PlacementTimeoutError      it could not be placed within placement_timeout
  │                                   (also TimeoutError)
@@ -85,6 +87,11 @@ class BusyError(OrchestratorError):
 
 class ClusterUnreachableError(OrchestratorError, ConnectionError):
     """No Ray cluster answers at the address given: names it and what was tried."""
+
+
+class ClusterMismatchError(OrchestratorError):
+    """The cluster runs another Ray or Python than the driver, or a node lacks what ranks
+    import: names both sides' versions and what to install where."""
 
 
 class PlacementError(OrchestratorError):

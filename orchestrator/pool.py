@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import placement
 from orchestrator.channel import RankChannel, rank_stacks
-from orchestrator.connect import cluster, local
+from orchestrator.connect import cluster, local, rankside
 from orchestrator.errors import PlacementTimeoutError, StopRequested
 from orchestrator.placement import Request
 from orchestrator.show import messages, notices, text
@@ -188,6 +188,9 @@ class Pool:
         runtime = local.broker()
         # On the local runtime ranks run in the script's folder, as on the embedded instance.
         self._workdir = os.getcwd() if runtime is not None else None
+        self._bundle_nodes = bundle_nodes
+        if runtime is None:  # what each node has, ours brought where it lacks it
+            rankside.check_nodes(set(bundle_nodes.values()), self.name)
         spares = self._spares(runtime, bundle_nodes) if runtime is not None else {}
         try:
             for slot in self._slots:  # one by one: shutdown() kills those made so far
@@ -225,7 +228,9 @@ class Pool:
             num_gpus=per_replica.get("GPU", 0),
             resources={k: v for k, v in per_replica.items() if k not in ("CPU", "GPU")},
             scheduling_strategy=strategy,
-            runtime_env=dict(self._runtime_env) if self._runtime_env else None,
+            runtime_env=rankside.runtime_env(
+                self._bundle_nodes[self._bundles[rank]], self._runtime_env
+            ),
             name=actor_name(self.name, self.id, rank, attempt),
             namespace=ACTOR_NAMESPACE,
         ).remote(self.name, rank, dict(self._env), preload_torch=self._preload_torch)

@@ -22,6 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator import _ray_compat
+from orchestrator.connect import rankside
 from orchestrator.errors import ConfigError
 from orchestrator_workers import sharing
 from orchestrator_workers.protocol import Payload
@@ -85,7 +86,9 @@ def forget_buffers(share_key: str, nodes: list[str], pending: list[ray.ObjectRef
                     sharing.remove(share_key)
                 else:
                     affinity = NodeAffinitySchedulingStrategy(node, soft=False)
-                    _remote_remove.options(scheduling_strategy=affinity).remote(share_key)
+                    _remote_remove.options(
+                        scheduling_strategy=affinity, runtime_env=rankside.runtime_env(node, None)
+                    ).remote(share_key)
 
     threading.Thread(target=forget, name="forget buffers", daemon=True).start()
 

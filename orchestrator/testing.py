@@ -3,8 +3,12 @@ job's running call hold. Not part of the public API: names here may change at an
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+from orchestrator.connect import rankside
+from orchestrator.diagnose import straggle
 from orchestrator.distribute import DistributedFunction
 from orchestrator.job import Job
 from orchestrator.pool import Pool
@@ -26,3 +30,26 @@ def readings(job: Job[Any]) -> int:
     """How many node readings of where the ranks are came back for the running call."""
     call = job._call
     return call.monitor.watch.readings if call is not None and call.monitor is not None else 0
+
+
+@contextlib.contextmanager
+def driver_torch_version(version: str) -> Iterator[None]:
+    """Within: the driver compares each newly read node's torch with `version`, not with
+    the torch installed here (to see the warning of a node with another torch)."""
+    rankside.set_driver_torch(version)
+    try:
+        yield
+    finally:
+        rankside.set_driver_torch(None)
+
+
+@contextlib.contextmanager
+def straggler_thresholds(*, min_looks: int, confirm_s: float) -> Iterator[None]:
+    """Within: a rank is compared with its peers after `min_looks` looks in the window, and
+    named once found slow for `confirm_s` (shorter tests of the straggler watch)."""
+    saved = straggle.MIN_LOOKS, straggle.CONFIRM_S
+    straggle.MIN_LOOKS, straggle.CONFIRM_S = min_looks, confirm_s
+    try:
+        yield
+    finally:
+        straggle.MIN_LOOKS, straggle.CONFIRM_S = saved

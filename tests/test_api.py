@@ -17,6 +17,7 @@ def test_public_api_is_small_and_stable():
     assert sorted(orchestrator.__all__) == [
         "BusyError",
         "CallOptions",
+        "ClusterMismatchError",
         "ClusterUnreachableError",
         "ConfigError",
         "DistributedError",

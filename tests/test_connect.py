@@ -134,3 +134,34 @@ def test_only_a_grpc_answer_counts_as_ray(status: str, content_type: str, answer
         )
         with pytest.raises(ClusterUnreachableError, match="give the address of the cluster's"):
             probe.check_reachable(address, "address")
+
+
+def test_ray_s_refusal_of_another_ray_or_python_is_said_in_one_line():
+    """Ray's own refusal (its check, given a cluster of another Ray and Python), wrapped."""
+    from ray._private.utils import check_version_info
+
+    from orchestrator.connect import cluster
+
+    with pytest.raises(RuntimeError) as refused:
+        check_version_info(
+            {"ray_version": "2.59.0", "python_version": "3.10.14"}, "node 10.0.0.9"
+        )
+    error = cluster.version_mismatch(str(refused.value), "10.0.0.1:6379")
+    assert error is not None
+    here = ".".join(map(str, sys.version_info[:3]))
+    import ray
+
+    assert str(error) == (
+        f"the Ray cluster at 10.0.0.1:6379 runs Ray 2.59.0 on Python 3.10.14, this driver "
+        f"Ray {ray.__version__} on Python {here}: Python and Ray must be the same. Use "
+        "a venv made with Python 3.10.14 with ray==2.59.0 in it here, or start the cluster "
+        "with this driver's"
+    )
+    assert "\n" not in str(error)
+    with pytest.raises(RuntimeError) as refused:
+        check_version_info({"ray_version": "2.59.0", "python_version": here}, "node 10.0.0.9")
+    error = cluster.version_mismatch(str(refused.value), "10.0.0.1:6379")
+    assert str(error).endswith(
+        "Ray must be the same. Use ray==2.59.0 here, or start the cluster with this driver's"
+    )
+    assert cluster.version_mismatch("some other RuntimeError", "10.0.0.1:6379") is None

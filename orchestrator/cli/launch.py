@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import sys
@@ -28,6 +27,7 @@ EXIT_TIMEOUT = 124
 """As timeout(1) exits when its command ran too long."""
 EXIT_INTERRUPTED = 130
 """128 + SIGINT, as a shell reports a command stopped with Ctrl-C."""
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -289,12 +289,7 @@ def _join_and_ship(address: str, root: Path, options: RunOptions) -> None:
     probe.check_reachable(address, "address")
     # Per-actor runtime_envs take URIs only; the job's own takes a local folder and
     # uploads it once (content-addressed: an unchanged folder is not sent again).
-    ray.init(
-        address=address,
-        runtime_env={"working_dir": str(root), "excludes": excludes},
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
+    cluster.join(address, runtime_env={"working_dir": str(root), "excludes": excludes})
 
 
 def _report(err: DistributedError) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -12,7 +11,7 @@ import ray
 from ray.exceptions import RayError
 
 from orchestrator.channel import rank_stacks
-from orchestrator.connect import cluster, local, probe, tokens
+from orchestrator.connect import cluster, local, probe
 from orchestrator.connect.discovery import cluster_address
 from orchestrator.diagnose import stall
 from orchestrator.errors import LaunchError
@@ -42,8 +41,7 @@ def connect_existing(address: str | None) -> None:
             f"the Ray cluster found on this machine at {target} does not answer ({why}): "
             "pass --address HOST:PORT of a live cluster, or start one with `ray start --head`"
         )
-    tokens.local_token(target)
-    ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
+    cluster.join(target)
 
 
 def nodes(address: str | None) -> int:

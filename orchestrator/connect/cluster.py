@@ -5,23 +5,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 
 from orchestrator import _ray_compat
 from orchestrator.connect import discovery, probe, tokens
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ClusterMismatchError, ConfigError
 from orchestrator.show import messages, notices
 from orchestrator_workers import private
 
 _lock = threading.Lock()
 _embedded = False
+_local_runtime = False
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ def connect(address: str | None, *, min_cpus: float = 0, standalone: bool = Fals
     with `ray start`; else a fresh local instance with at least `min_cpus` CPUs.
     `standalone`: the fresh local instance, whatever RAY_ADDRESS or `ray start` say.
     """
-    global _embedded  # noqa: PLW0603 - one Ray connection per process
+    global _embedded, _local_runtime  # noqa: PLW0603 - one Ray connection per process
     with _lock:
         if ray.is_initialized():
             return _embedded
@@ -55,14 +58,56 @@ def connect(address: str | None, *, min_cpus: float = 0, standalone: bool = Fals
             live = None
         target = given or live
         if target:
-            tokens.local_token(target)  # only where it is the local runtime's address
-            ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
+            _local_runtime = discovery.runtime_record(target) is not None
+            join(target)
             return False
         if stale:
             messages.say(f"the Ray cluster recorded in {stale} is gone; starting a fresh local one")
         in_lasting_thread(lambda: _start_local(min_cpus))
         _embedded = True
         return True
+
+
+def join(address: str, **init: Any) -> None:
+    """`ray.init(address)` (with `init`'s other arguments): the token where it is the local
+    runtime's, and Ray's refusal of another Ray or Python said in one line."""
+    tokens.local_token(address)  # only where it is the local runtime's address
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **init)
+    except RuntimeError as exc:
+        mismatch = version_mismatch(str(exc), address)
+        if mismatch is None:
+            raise
+        raise mismatch from None
+
+
+_VERSIONS = re.compile(r"Ray: (\S+)\s+Python: (\S+)")
+
+
+def version_mismatch(refusal: str, address: str) -> ClusterMismatchError | None:
+    """Ray's refusal of a driver whose Ray or Python differs from the cluster's, said in one
+    line with what to install; None for any other error."""
+    found = _VERSIONS.findall(refusal)
+    if not refusal.startswith("Version mismatch") or len(found) != 2:
+        return None
+    (ray_there, py_there), (ray_here, py_here) = found
+    differ, fix = [], []
+    if py_there != py_here:
+        differ.append("Python")
+        fix.append(f"a venv made with Python {py_there}")
+    if ray_there != ray_here:
+        differ.append("Ray")
+        fix.append(f"ray=={ray_there}" + (" in it" if fix else ""))
+    return ClusterMismatchError(
+        f"the Ray cluster at {address} runs Ray {ray_there} on Python {py_there}, this driver "
+        f"Ray {ray_here} on Python {py_here}: {' and '.join(differ)} must be the same. Use "
+        f"{' with '.join(fix)} here, or start the cluster with this driver's"
+    )
+
+
+def is_local_runtime() -> bool:
+    """Whether this process joined the local runtime (`orchestrator local start`)."""
+    return _local_runtime
 
 
 def in_lasting_thread(start: Callable[[], None]) -> None:

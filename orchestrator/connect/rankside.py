@@ -1,0 +1,199 @@
+"""The rank side on every node: what each node has, read once, and ours brought where it lacks.
+
+A node of a cluster reached by address needs only Ray, torch and cloudpickle, and the
+driver's Python. The first time a pool is placed on a node, a task shipped by value
+(`inventory.read`) says what the node has. Where it has no `orchestrator_workers`, or
+another content of it (an older install), every actor and task the product starts there
+gets the driver's copy through Ray's `py_modules`: a folder named `orchestrator_workers`,
+uploaded to the cluster once per content and unpacked once per node, ahead of anything
+installed on the node's path. The embedded instance and the local runtime run on this
+machine from this interpreter: nothing is read or added there.
+
+A node whose torch differs from the driver's (the local build tag aside: a CPU laptop
+drives CUDA nodes) is named in one warning, once per node.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import shutil
+import threading
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from orchestrator import _ray_compat
+from orchestrator.connect import cluster, inventory
+from orchestrator.errors import ClusterMismatchError
+from orchestrator.show import messages
+from orchestrator_workers import private
+
+READ_TIMEOUT_S = 120.0
+"""How long a node may take to answer what it has (a fresh node starts a worker first)."""
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What one node has, as its `inventory.read` said."""
+
+    node_id: str
+    ip: str
+    python: str
+    ray: str | None
+    torch: str | None
+    cloudpickle: str | None
+    rank_side: str | None
+    """Its own `orchestrator_workers`' content id; None where it has none."""
+
+
+_lock = threading.Lock()
+_facts: dict[str, NodeFacts] = {}
+"""By node id: every node read so far (nodes join later: each is read when first used)."""
+_uploaded: dict[str, str] = {}
+"""By cluster (its GCS address): the URI our rank side was uploaded under."""
+_driver_torch: str | None = None
+"""The torch version the driver compares with; None: its installed one (a test hook)."""
+
+
+@functools.cache
+def _folder() -> Path:
+    """The driver's own rank side (its `orchestrator_workers` package folder)."""
+    spec = importlib.util.find_spec(inventory.RANK_SIDE)
+    assert spec is not None and spec.submodule_search_locations is not None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@functools.cache
+def content() -> str:
+    """The driver's rank side's content id (`inventory.content_id` of its folder)."""
+    return inventory.content_id(str(_folder()))
+
+
+def driver_torch() -> str | None:
+    """The torch version this driver has, as compared with the nodes'."""
+    return _driver_torch if _driver_torch is not None else inventory.read()["torch"]
+
+
+def set_driver_torch(version: str | None) -> None:
+    """Compare the nodes' torch with `version` instead of the installed one (None: that)."""
+    global _driver_torch  # noqa: PLW0603 - one driver per process
+    _driver_torch = version
+
+
+def needs_nothing() -> bool:
+    """Whether every node has this driver's rank side: Ray runs from this interpreter."""
+    return cluster.is_embedded() or cluster.is_local_runtime()
+
+
+def check_nodes(node_ids: Collection[str], job: str) -> None:
+    """Read what each of `node_ids` has, once per node; before any rank starts there.
+
+    Raises ClusterMismatchError where a node lacks torch or cloudpickle, or runs another
+    Python; warns (once per node) where its torch differs from the driver's.
+    """
+    if needs_nothing():
+        return
+    with _lock:
+        unread = sorted(set(node_ids) - _facts.keys())
+        if not unread:
+            return
+        found = _read(unread)
+        _facts.update(found)
+    _check(list(found.values()), job)
+
+
+def _read(node_ids: list[str]) -> dict[str, NodeFacts]:
+    ips = {node.node_id: node.ip for node in cluster.nodes()}
+    read = ray.remote(num_cpus=0, max_retries=0)(_ray_compat.by_value(inventory.read))
+    refs = {
+        node: read.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote()
+        for node in node_ids
+    }
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=READ_TIMEOUT_S)
+    if len(ready) < len(refs):
+        late = [ips.get(node, node) for node, ref in refs.items() if ref not in ready]
+        raise ClusterMismatchError(
+            f"no answer within {READ_TIMEOUT_S:g} s from node {', '.join(late)} to what "
+            "Python, Ray and torch it has: see `ray status` and the node's raylet log"
+        )
+    return {
+        node: NodeFacts(node_id=node, ip=ips.get(node, node), **ray.get(ref))
+        for node, ref in refs.items()
+    }
+
+
+def _check(found: list[NodeFacts], job: str) -> None:
+    """Raise where a node cannot run ranks; warn where its torch differs from ours."""
+    here = inventory.read()
+    for facts in found:
+        missing = [name for name in ("torch", "cloudpickle") if getattr(facts, name) is None]
+        if missing:
+            want = " and ".join(f"{name}=={here[name]}" for name in missing)
+            raise ClusterMismatchError(
+                f"node {facts.ip} has no {' and no '.join(missing)}, which the ranks import: "
+                f"install {want} in the Python that runs Ray there ({facts.python})"
+            )
+    ours = driver_torch()
+    if ours is None:
+        return
+    other: dict[str, list[str]] = {}
+    for facts in found:
+        if facts.torch is not None and _release(facts.torch) != _release(ours):
+            other.setdefault(facts.torch, []).append(facts.ip)
+    for version, ips in sorted(other.items()):
+        messages.warn(
+            f"nodes run another torch than this driver ({ours}): {version} on "
+            f"{', '.join(ips)}; install torch=={_release(ours)} there, or "
+            f"torch=={_release(version)} here",
+            job=job,
+        )
+
+
+def _release(version: str) -> str:
+    """'2.5.1' of '2.5.1+cu124': builds of one release differ only in their local tag."""
+    return version.split("+", 1)[0]
+
+
+def runtime_env(node_id: str, given: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The runtime_env of an actor or task on `node_id`: `given`, and where the node lacks
+    our rank side (or has another), ours in `py_modules`, after the job's and `given`'s."""
+    facts = _facts.get(node_id)
+    if facts is None or facts.rank_side == content():
+        return dict(given) if given else None
+    job_modules = list(ray.get_runtime_context().runtime_env.get("py_modules") or [])
+    # An actor's py_modules replaces the job's (Ray merges runtime_envs per field).
+    modules = [*job_modules, *((given or {}).get("py_modules") or []), _uri()]
+    return {**(given or {}), "py_modules": list(dict.fromkeys(str(m) for m in modules))}
+
+
+def _uri() -> str:
+    """Our rank side's URI on the connected cluster, uploaded the first time it is needed."""
+    where = ray.get_runtime_context().gcs_address
+    with _lock:
+        if where not in _uploaded:
+            _uploaded[where] = _ray_compat.upload_module(_stage())
+        return _uploaded[where]
+
+
+def _stage() -> Path:
+    """A folder named `orchestrator_workers` holding our rank side's files: Ray ships a
+    folder under its own name, and ours is `workers/` in a source tree."""
+    folder = private.folder() / f"rank-side-{content()}" / inventory.RANK_SIDE
+    if not folder.is_dir():
+        staging = folder.parent.with_name(f"{folder.parent.name}.{threading.get_ident()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(
+            _folder(), staging / inventory.RANK_SIDE, ignore=shutil.ignore_patterns("__pycache__")
+        )
+        try:
+            staging.rename(folder.parent)
+        except OSError:  # another thread or process of ours staged it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
