@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -140,13 +141,21 @@ def test_same_stacks_are_shown_once_odd_ones_first():
     assert stacks_title((0, 2, 3)) == "ranks 0,2-3 (3 ranks, the same stacks)"
 
 
-# A real job. Each case holds the job back in one way; `held` is how long.
+# A real job. Each case holds the job back in one way; `held` is how long (given `stop`: how
+# long each time, until the test makes that file once it has seen what it asserts).
 
 
-def _keep_going(case: str, held: float) -> None:
+def _hold(stop: str) -> Iterator[None]:
+    """Once; or, given `stop`, until the test makes that file."""
+    yield
+    while stop and not os.path.exists(stop):
+        yield
+
+
+def _keep_going(case: str, held: float, stop: str) -> None:
     """A rank that keeps computing ('busy') or moving (evaluating, say) while its peers wait."""
     end = time.monotonic() + held
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (stop and os.path.exists(stop)):
         if case == "busy":  # a tight loop: its stack may read the same at each look
             total = sum(range(1000))
             total += 1
@@ -155,10 +164,25 @@ def _keep_going(case: str, held: float) -> None:
             time.sleep(0.03)  # its stack changes between looks: it makes progress
 
 
-def _case(case: str, held: float) -> int:
+def _asleep(held: float, stop: str) -> None:
+    """Sleep, as a rank busy with something slow outside torch (I/O, say)."""
+    for _ in _hold(stop):
+        time.sleep(held)
+
+
+def _locked(held: float, stop: str) -> None:
+    """Wait for a lock that no one will let go."""
+    import threading
+
+    lock = threading.Lock()
+    lock.acquire()
+    for _ in _hold(stop):
+        lock.acquire(timeout=held)
+
+
+def _case(case: str, held: float, stop: str = "") -> int:
     import ctypes
     import signal as sig
-    import threading
 
     import torch
     import torch.distributed as dist
@@ -171,11 +195,9 @@ def _case(case: str, held: float) -> int:
     t = torch.ones(1)
     dist.all_reduce(t)  # every rank is up
     if case == "sleep" and rank == 3:
-        time.sleep(held)
+        _asleep(held, stop)
     elif case == "lock" and rank == 1:
-        lock = threading.Lock()
-        lock.acquire()
-        lock.acquire(timeout=held)
+        _locked(held, stop)
     elif case == "gil" and rank == 2:
         time.sleep(1.5)  # its sampler looks here once or twice
         ctypes.PyDLL(None).sleep(int(held))  # libc's sleep, the GIL held throughout
@@ -183,7 +205,7 @@ def _case(case: str, held: float) -> int:
         time.sleep(1.5)
         os.kill(os.getpid(), sig.SIGSTOP)  # the test sends SIGCONT
     elif case in ("busy", "moving") and rank == 0:
-        _keep_going(case, held)
+        _keep_going(case, held, stop)
     elif case == "returns":  # rank 3 returns early; its peers wait (for it, in a real job)
         if rank == 3:
             return rank
@@ -230,16 +252,20 @@ class _Kept(logging.Handler):
         self.records.append(record)
 
 
-def test_a_rank_sleeping_before_a_collective_is_named_with_its_line(held):
+def test_a_rank_sleeping_before_a_collective_is_named_with_its_line(held, tmp_path):
     log, kept = logging.getLogger("orchestrator.status"), _Kept()
     log.addHandler(kept)  # as an application's logging would: the report goes through it
+    stop = tmp_path / "stop"
     try:
-        job = held.submit("sleep", 10)
-        line = _until_reported(job, "rank 3 is at test_stall.py", "(last collective: gloo:")
-        assert "in _case (`time.sleep(held)`)" in line
-        assert "3 ranks (r0-2) wait in all_reduce at test_stall.py" in line
-        assert "(last collective: gloo:all_reduce" in line and "not done" in line  # recorder
-        assert job.table().stall is not None and "rank 3 is at" in job.table().text()
+        job = held.submit("sleep", 0.5, str(stop))
+        try:
+            line = _until_reported(job, "rank 3 is at test_stall.py", "(last collective: gloo:")
+            assert "in _asleep (`time.sleep(held)`)" in line
+            assert "3 ranks (r0-2) wait in all_reduce at test_stall.py" in line
+            assert "(last collective: gloo:all_reduce" in line and "not done" in line  # recorder
+            assert job.table().stall is not None and "rank 3 is at" in job.table().text()
+        finally:
+            stop.touch()
         assert job.result() == [0, 1, 2, 3]  # a report, not a failure: the call goes on
     finally:
         log.removeHandler(kept)
@@ -248,9 +274,12 @@ def test_a_rank_sleeping_before_a_collective_is_named_with_its_line(held):
     assert job.status().stall is None
 
 
-def test_a_rank_blocked_on_a_lock_shows_the_line(held):
-    job = held.submit("lock", 12)
-    _until_reported(job, "rank 1 is at test_stall.py", "(`lock.acquire(timeout=held)`)")
+def test_a_rank_blocked_on_a_lock_shows_the_line(held, tmp_path):
+    job = held.submit("lock", 0.5, str(tmp_path / "stop"))
+    try:
+        _until_reported(job, "rank 1 is at test_stall.py", "(`lock.acquire(timeout=held)`)")
+    finally:
+        (tmp_path / "stop").touch()
     assert job.result() == [0, 1, 2, 3]
 
 
@@ -275,11 +304,14 @@ def test_a_stopped_rank_does_not_answer(held, monkeypatch):
     assert job.result() == [0, 1, 2, 3]
 
 
-def test_a_rank_computing_in_a_loop_is_named_on_cpu(held):
-    job = held.submit("busy", 10)
+def test_a_rank_computing_in_a_loop_is_named_on_cpu(held, tmp_path):
+    job = held.submit("busy", 60, str(tmp_path / "stop"))
     # A tight loop's stack may read the same at each look: what tells it from a wait is
     # its CPU. Either way it is the odd one out, or one that moved lately.
-    line = _until_reported(job, "rank 0 is at test_stall.py", "on CPU")
+    try:
+        line = _until_reported(job, "rank 0 is at test_stall.py", "on CPU")
+    finally:
+        (tmp_path / "stop").touch()
     assert "3 ranks (r1-3) wait in all_reduce at test_stall.py" in line
     assert job.result() == [0, 1, 2, 3]
 

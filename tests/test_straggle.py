@@ -75,10 +75,16 @@ def test_a_balanced_job_and_too_few_looks_name_nobody():
     assert _slow(few) == []
 
 
-# A real DDP loop: `slow_rank` spends an extra 30% of each step at one line.
+# A real DDP loop: `slow_rank` spends an extra 30% of each step at one line. It runs for
+# `seconds`, or until the test makes `stop` (it asserts while the loop runs, then ends it).
+# The straggler's thresholds are lowered through the test hook: named sooner, a shorter test.
+QUICK = {"min_looks": 55, "confirm_s": 1.0}
+"""55 looks: about what a 30% slower rank needs to stand out by Z (11 s at five a second)."""
 
 
-def _ddp(seconds: float, slow_rank: int, busy: bool) -> int:
+def _ddp(seconds: float, slow_rank: int, busy: bool, stop_file: str = "") -> int:
+    import os
+
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -100,7 +106,8 @@ def _ddp(seconds: float, slow_rank: int, busy: bool) -> int:
         loss.backward()
         opt.step()
         steps += 1
-        stop.fill_(time.monotonic() >= end)  # every rank takes as many steps as the others
+        ended = time.monotonic() >= end or (stop_file and os.path.exists(stop_file))
+        stop.fill_(bool(ended))  # every rank takes as many steps as the others
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # (before the extra: peers wait in DDP's)
         if stop.item():
             break
@@ -145,14 +152,26 @@ def loop(cluster):
 
 
 def test_a_balanced_ddp_loop_is_never_named(loop):
-    job = loop.submit(22.0, -1, False)
-    assert _flagged(job, 40.0) == []
-    assert min(job.result()) > 0
+    with testing.straggler_thresholds(**QUICK):  # compared from 11 s on, named after 1 s more
+        job = loop.submit(18.0, -1, False)
+        assert _flagged(job, 40.0) == []
+        assert min(job.result()) > 0
 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["sleep", "busy"])
-def test_a_rank_30_percent_slower_is_named_with_its_line(loop, busy):
-    job = loop.submit(36.0, 2, busy)
+def test_a_rank_30_percent_slower_is_named_with_its_line(loop, busy, tmp_path):
+    stop = tmp_path / "stop"
+    with testing.straggler_thresholds(**QUICK):
+        job = loop.submit(60.0, 2, busy, str(stop))
+        try:
+            _named_while_running(job, busy)
+        finally:
+            stop.touch()
+        assert min(job.result()) > 0
+
+
+def _named_while_running(job, busy: bool) -> None:
+    """Rank 2 is named, with where its time goes, in the job's view and table."""
     slow = _flagged(job, 45.0)
     assert [s.rank for s in slow] == [2], slow
     text = slow[0].sentence()
@@ -165,4 +184,3 @@ def test_a_rank_30_percent_slower_is_named_with_its_line(loop, busy):
     assert (row.state, row.slow) == ("running", True)
     assert "running (slow)" in table.text(), table.text()
     assert "cores" in next(r for r in table.rows if r.rank == 0).use
-    job.result()
