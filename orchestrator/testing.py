@@ -53,3 +53,14 @@ def straggler_thresholds(*, min_looks: int, confirm_s: float) -> Iterator[None]:
         yield
     finally:
         straggle.MIN_LOOKS, straggle.CONFIRM_S = saved
+
+
+@contextlib.contextmanager
+def ship_rank_side() -> Iterator[None]:
+    """Within: new actors and tasks get the driver's rank side through `py_modules` on every
+    node, as on nodes without this package (what that costs, beside installed)."""
+    rankside.set_always(True)
+    try:
+        yield
+    finally:
+        rankside.set_always(False)

@@ -54,10 +54,13 @@ class NodeFacts:
 _lock = threading.Lock()
 _facts: dict[str, NodeFacts] = {}
 """By node id: every node read so far (nodes join later: each is read when first used)."""
-_uploaded: dict[str, str] = {}
-"""By cluster (its GCS address): the URI our rank side was uploaded under."""
+_uri: str | None = None
+"""Our rank side's URI on the cluster: checked (uploaded where missing) at each pool's start,
+since a cluster restarted at the same address has none."""
 _driver_torch: str | None = None
 """The torch version the driver compares with; None: its installed one (a test hook)."""
+_always = False
+"""Ship ours to every node read, even one that has it (a hook for benchmarks)."""
 
 
 @functools.cache
@@ -85,6 +88,12 @@ def set_driver_torch(version: str | None) -> None:
     _driver_torch = version
 
 
+def set_always(always: bool) -> None:
+    """Bring our rank side to every node read from now on, even one that has it."""
+    global _always  # noqa: PLW0603 - one driver per process
+    _always = always
+
+
 def needs_nothing() -> bool:
     """Whether every node has this driver's rank side: Ray runs from this interpreter."""
     return cluster.is_embedded() or cluster.is_local_runtime()
@@ -96,14 +105,15 @@ def check_nodes(node_ids: Collection[str], job: str) -> None:
     Raises ClusterMismatchError where a node lacks torch or cloudpickle, or runs another
     Python; warns (once per node) where its torch differs from the driver's.
     """
+    global _uri  # noqa: PLW0603 - one driver per process
     if needs_nothing():
         return
     with _lock:
         unread = sorted(set(node_ids) - _facts.keys())
-        if not unread:
-            return
-        found = _read(unread)
+        found = _read(unread) if unread else {}
         _facts.update(found)
+        if any(_lacks(_facts[node]) for node in node_ids):
+            _uri = _ray_compat.upload_module(_stage())
     _check(list(found.values()), job)
 
 
@@ -165,21 +175,17 @@ def runtime_env(node_id: str, given: Mapping[str, Any] | None) -> dict[str, Any]
     """The runtime_env of an actor or task on `node_id`: `given`, and where the node lacks
     our rank side (or has another), ours in `py_modules`, after the job's and `given`'s."""
     facts = _facts.get(node_id)
-    if facts is None or facts.rank_side == content():
+    if facts is None or not _lacks(facts) or _uri is None:
         return dict(given) if given else None
     job_modules = list(ray.get_runtime_context().runtime_env.get("py_modules") or [])
     # An actor's py_modules replaces the job's (Ray merges runtime_envs per field).
-    modules = [*job_modules, *((given or {}).get("py_modules") or []), _uri()]
+    modules = [*job_modules, *((given or {}).get("py_modules") or []), _uri]
     return {**(given or {}), "py_modules": list(dict.fromkeys(str(m) for m in modules))}
 
 
-def _uri() -> str:
-    """Our rank side's URI on the connected cluster, uploaded the first time it is needed."""
-    where = ray.get_runtime_context().gcs_address
-    with _lock:
-        if where not in _uploaded:
-            _uploaded[where] = _ray_compat.upload_module(_stage())
-        return _uploaded[where]
+def _lacks(facts: NodeFacts) -> bool:
+    """Whether a node needs ours brought: it has none, or another content."""
+    return facts.rank_side != content() or _always
 
 
 def _stage() -> Path:
