@@ -1,80 +1,25 @@
-"""Two real hosts on one machine: a Ray node in each of two network namespaces.
+"""Two real hosts on one machine: a Ray node in each of two network namespaces
+(tests/hosts.py), every node run by this venv's Python with the repository on PYTHONPATH.
 
-Each namespace has its own address on a private bridge, and there the machine's
-hostname resolves to loopback, as /etc/hosts makes it do on many machines. Without
-GLOO_SOCKET_IFNAME gloo would then advertise 127.0.0.1 to its peers and fail
-(`Gloo connectFullMesh failed ... remote=[127.0.0.1]`); the test never sets the
+There the machine's hostname resolves to loopback, as /etc/hosts makes it do on many
+machines. Without GLOO_SOCKET_IFNAME gloo would then advertise 127.0.0.1 to its peers and
+fail (`Gloo connectFullMesh failed ... remote=[127.0.0.1]`); the test never sets the
 variable itself, distribute() must.
-
-Everything the test creates (namespaces, links, /etc/netns/<ns>, a temp dir holding
-the Ray nodes' temp dirs, processes) is removed by the fixture's finalizer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import secrets
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.hosts import RAY_ADDRESS_FILE, REPO, Hosts, boot
+
 DRIVER = Path(__file__).resolve().parent / "two_hosts_driver.py"
-GCS_PORT = 6379  # each namespace has its own port space
-CPUS_PER_NODE = 4
-START_TIMEOUT_S = 45.0
 DRIVER_TIMEOUT_S = 90.0
-STOP_TIMEOUT_S = 10.0
-NETNS_DIR = Path("/etc/netns")
-RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
-
-
-@dataclass
-class Hosts:
-    """The two namespaces and the Ray cluster across them."""
-
-    namespaces: list[str]
-    ips: list[str]
-    interfaces: list[str]
-    address: str
-    env: dict[str, str]
-    tmp: Path
-
-    def temp_dir(self, host: int) -> Path:
-        """Ray's --temp-dir of `host`."""
-        return self.tmp / f"h{host}"
-
-
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    if check and proc.returncode:
-        raise RuntimeError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-def _skip_unless_netns_possible() -> None:
-    if not sys.platform.startswith("linux"):
-        pytest.skip("network namespaces need Linux")
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root")
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command is missing (install iproute2)")
-
-
-def _ray_command() -> list[str]:
-    ray = Path(sys.executable).parent / "ray"
-    return [str(ray)] if ray.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def _read(path: Path) -> str:
@@ -84,206 +29,11 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _remove_if_empty(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.rmdir()  # fails, as it should, if another user of /etc/netns left files
-
-
-def _kill_namespace_processes(ns: str) -> None:
-    """SIGKILL whatever still runs in `ns` (only processes this test started can)."""
-    for _ in range(50):
-        listed = _run("ip", "netns", "pids", ns, check=False).stdout.split()
-        pids = [int(p) for p in listed if p.isdigit() and int(p) != os.getpid()]
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM a `ray start --block` (it stops its node), then SIGKILL its group."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(STOP_TIMEOUT_S)
-    # Started with start_new_session=True: the group is this test's alone.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(STOP_TIMEOUT_S)
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return f"({path} unreadable)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _ray_logs(tmp: Path) -> str:
-    """For a failure report: the end of `ray start`'s output and of Ray's non-empty .err logs."""
-    logs = [*sorted(tmp.glob("h*.log")), *sorted(tmp.glob("h*/session_latest/logs/*.err"))]
-    return "\n".join(
-        f"--- {log.relative_to(tmp)}\n{_tail(log, 15)}"
-        for log in logs
-        if log.is_file() and log.stat().st_size
-    )
-
-
-def _text(data: str | bytes | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
-
-
-def _wait_started(proc: subprocess.Popen[bytes], marker: Path, log: Path) -> None:
-    """Wait for `ray start` to write its address file: its node is registered by then."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not marker.exists():
-        if proc.poll() is not None:
-            pytest.fail(f"`ray start` exited with {proc.returncode}:\n{_tail(log)}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"`ray start` not up after {START_TIMEOUT_S:g} s:\n{_tail(log)}")
-        time.sleep(0.1)
-
-
-def _make_network(
-    stack: contextlib.ExitStack, suffix: str
-) -> tuple[list[str], list[str], list[str]]:
-    """Two host namespaces on a bridge in a third one; (namespaces, ips, interfaces)."""
-    subnet = f"10.213.{secrets.randbelow(250) + 2}"
-    bridge_ns = f"orch-br-{suffix}"
-    hosts = [f"orch-h{i}-{suffix}" for i in range(2)]
-    ips = [f"{subnet}.{i + 1}" for i in range(2)]
-    interfaces = [f"h{i}-{suffix}" for i in range(2)]
-    hostname = socket.gethostname()
-
-    try:
-        if not NETNS_DIR.exists():
-            NETNS_DIR.mkdir()
-            stack.callback(_remove_if_empty, NETNS_DIR)
-        for ns in hosts:
-            # `ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts: there the
-            # hostname resolves to loopback, the trap the product must avoid.
-            (NETNS_DIR / ns).mkdir()
-            stack.callback(shutil.rmtree, NETNS_DIR / ns, ignore_errors=True)
-            (NETNS_DIR / ns / "hosts").write_text(f"127.0.0.1 localhost\n127.0.0.1 {hostname}\n")
-    except OSError as exc:
-        pytest.skip(f"cannot write {NETNS_DIR} for the namespaces' /etc/hosts: {exc}")
-    for ns in [bridge_ns, *hosts]:
-        proc = _run("ip", "netns", "add", ns, check=False)
-        if proc.returncode:
-            pytest.skip(f"cannot create a network namespace: {proc.stderr.strip()}")
-        stack.callback(_run, "ip", "netns", "delete", ns, check=False)
-        stack.callback(_kill_namespace_processes, ns)
-    try:
-        for ns in [bridge_ns, *hosts]:
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-        _run("ip", "-n", bridge_ns, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", bridge_ns, "link", "set", "br0", "up")
-        for i, ns in enumerate(hosts):
-            _run(
-                "ip", "-n", bridge_ns, "link", "add", f"p{i}", "type", "veth",
-                "peer", "name", interfaces[i], "netns", ns,
-            )  # fmt: skip
-            _run("ip", "-n", bridge_ns, "link", "set", f"p{i}", "master", "br0")
-            _run("ip", "-n", bridge_ns, "link", "set", f"p{i}", "up")
-            _run("ip", "-n", ns, "addr", "add", f"{ips[i]}/24", "dev", interfaces[i])
-            _run("ip", "-n", ns, "link", "set", interfaces[i], "up")
-        _run("ip", "netns", "exec", hosts[0], "true")  # needs a mount namespace too
-    except RuntimeError as exc:
-        pytest.skip(f"cannot build the two hosts' network: {exc}")
-    return hosts, ips, interfaces
-
-
-def _start_ray(
-    stack: contextlib.ExitStack,
-    ns: str,
-    args: list[str],
-    env: dict[str, str],
-    log: Path,
-) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, *_ray_command(), "start", "--block", *args],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    stack.callback(_stop, proc)
-    return proc
-
-
 @pytest.fixture
 def two_hosts() -> Iterator[Hosts]:
     """A Ray head in one namespace, a worker node in the other; all torn down after."""
-    _skip_unless_netns_possible()
-    suffix = secrets.token_hex(3)
-    with contextlib.ExitStack() as stack:
-        tmp = Path(tempfile.mkdtemp(prefix="o2h", dir="/tmp"))  # short: unix socket paths
-        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
-        namespaces, ips, interfaces = _make_network(stack, suffix)
-        (tmp / "home").mkdir()
-
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("RAY_", "GLOO_", "NCCL_")) and k != "HOME"
-        }
-        env.update(
-            # Token authentication stays on; every node and the driver get the token.
-            RAY_AUTH_MODE="token",
-            RAY_AUTH_TOKEN=secrets.token_hex(32),
-            # No ~/.ray/auth_token or other state of the real home is read or written.
-            HOME=str(tmp / "home"),
-            # Ray's default temp dir (used where no --temp-dir applies): private too.
-            RAY_TMPDIR=str(tmp),
-            RAY_USAGE_STATS_ENABLED="0",
-            RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # SIGTERM stops a node at once
-            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-            PYTHONUNBUFFERED="1",
-        )
-        common = [
-            f"--num-cpus={CPUS_PER_NODE}",
-            "--num-gpus=0",
-            f"--object-store-memory={100 * 1024 * 1024}",
-            "--disable-usage-stats",
-        ]
-        address = f"{ips[0]}:{GCS_PORT}"
-        logs = [tmp / "h0.log", tmp / "h1.log"]
-        head = _start_ray(
-            stack,
-            namespaces[0],
-            [
-                "--head",
-                f"--port={GCS_PORT}",
-                "--include-dashboard=false",
-                f"--node-ip-address={ips[0]}",
-                f"--temp-dir={tmp / 'h0'}",
-                *common,
-            ],
-            env,
-            logs[0],
-        )
-        _wait_started(head, tmp / "h0" / "ray_current_cluster", logs[0])
-        worker = _start_ray(
-            stack,
-            namespaces[1],
-            [
-                f"--address={address}",
-                f"--node-ip-address={ips[1]}",
-                f"--temp-dir={tmp / 'h1'}",
-                *common,
-            ],
-            env,
-            logs[1],
-        )
-        _wait_started(worker, tmp / "h1" / "ray_current_cluster", logs[1])
-        yield Hosts(namespaces, ips, interfaces, address, env, tmp)
+    with boot([sys.executable, sys.executable], repo_on_path=True) as hosts:
+        yield hosts
 
 
 @pytest.mark.slow
@@ -292,29 +42,13 @@ def test_two_hosts_gloo_all_reduce(two_hosts: Hosts) -> None:
     h = two_hosts
     result_file = h.tmp / "result.json"
     driver_env = h.env
-    try:
-        proc = subprocess.run(
-            [
-                "ip", "netns", "exec", h.namespaces[0], sys.executable, str(DRIVER),
-                h.address, str(result_file),
-            ],
-            cwd=REPO,
-            env=driver_env,
-            capture_output=True,
-            text=True,
-            timeout=DRIVER_TIMEOUT_S,
-            check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(
-            f"driver timed out after {DRIVER_TIMEOUT_S:g} s\nstdout:\n{_text(exc.stdout)[-4000:]}\n"
-            f"stderr:\n{_text(exc.stderr)[-8000:]}\n{_ray_logs(h.tmp)}"
-        )
+    proc = h.run(
+        [sys.executable, str(DRIVER), h.address, str(result_file)],
+        cwd=REPO,
+        timeout=DRIVER_TIMEOUT_S,
+    )
     if proc.returncode or not result_file.exists():
-        pytest.fail(
-            f"driver failed ({proc.returncode})\nstdout:\n{proc.stdout[-4000:]}\n"
-            f"stderr:\n{proc.stderr[-8000:]}\n{_ray_logs(h.tmp)}"
-        )
+        pytest.fail(f"driver failed\n{h.report(proc)}")
     result = json.loads(result_file.read_text())
     ranks = result["ranks"]
     print(f"\ntwo hosts: driver phases {result['seconds']}")
