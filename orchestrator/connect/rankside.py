@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import ipaddress
 import shutil
 import threading
 from collections.abc import Collection, Mapping
@@ -158,12 +159,22 @@ def _check(found: list[NodeFacts], job: str) -> None:
         if facts.torch is not None and _release(facts.torch) != _release(ours):
             other.setdefault(facts.torch, []).append(facts.ip)
     for version, ips in sorted(other.items()):
+        ips.sort(key=_ip_order)
         messages.warn(
             f"nodes run another torch than this driver ({ours}): {version} on "
             f"{', '.join(ips)}; install torch=={_release(ours)} there, or "
             f"torch=={_release(version)} here",
             job=job,
         )
+
+
+def _ip_order(ip: str) -> tuple[int, int, str]:
+    """Addresses in numeric order (10.0.0.2 before 10.0.0.10), IPv4 first; names after."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return (7, 0, ip)
+    return (address.version, int(address), ip)
 
 
 def _release(version: str) -> str:

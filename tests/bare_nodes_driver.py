@@ -1,0 +1,369 @@
+"""Driver for test_bare_nodes.py: scenario after scenario against nodes without this package.
+
+Usage: python bare_nodes_driver.py RAY_ADDRESS REPORT_JSON PROJECT_DIR
+
+The test copies it into a project folder and runs it there, inside host 0's network
+namespace, with the test venv's Python (the driver has the package; the nodes' Ray runs
+from environments that lack it, or hold an older copy). It must import nothing of the
+repository but the package: its functions travel by value. Each scenario runs under its
+own time limit; its result, or its error and traceback, goes into the report, which is
+written again after every scenario (a killed driver leaves those it finished).
+
+The torch mismatch comes first, so that the driver's first look at the nodes is made
+under `testing.driver_torch_version`: its pool (`where`, 4 ranks: where each rank's
+`orchestrator_workers` comes from, and lines on stdout and stderr), then the README's
+example as a second pool on the same nodes, which must not warn again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from orchestrator import DistributedError, distribute, testing
+
+FAKE_TORCH = "2.0.0"
+"""The torch version the driver is made to believe it has."""
+SCENARIO_S = 120
+STALL_AFTER_S = 3
+
+
+class ScenarioTimeout(Exception):
+    """A scenario ran past SCENARIO_S."""
+
+
+def _alarm(_signum: int, _frame: object) -> None:
+    raise ScenarioTimeout(f"the scenario ran past {SCENARIO_S} s")
+
+
+def _failure_of(exc: BaseException) -> dict[str, Any]:
+    """What the tests check of an exception that reached the driver."""
+    root = getattr(exc, "root_cause", None)
+    return {
+        "type": type(exc).__name__,
+        "text": str(exc),
+        "distributed": isinstance(exc, DistributedError),
+        "value_error": isinstance(exc, ValueError),
+        "root_rank": getattr(root, "rank", None),
+        "root_exc_type": getattr(root, "exc_type", None),
+    }
+
+
+# --- what runs in the ranks ----------------------------------------------------------------
+
+
+def where() -> dict[str, Any]:
+    """Where this rank runs and where its `orchestrator_workers` comes from; some output.
+    (torch's version as installed: importing it would only slow the pool down.)"""
+    import importlib.metadata
+
+    import ray
+
+    import orchestrator_workers
+
+    rank = os.environ["RANK"]
+    print(f"stdout line of rank {rank}", flush=True)
+    os.write(2, f"stderr line of rank {rank}\n".encode())
+    return {
+        "rank": int(rank),
+        "node_ip": ray.util.get_node_ip_address(),
+        "executable": sys.executable,
+        "workers_file": orchestrator_workers.__file__,
+        "older_copy": hasattr(orchestrator_workers, "OLDER_COPY"),
+        "torch": importlib.metadata.version("torch"),
+    }
+
+
+def raise_on_rank_1() -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        print("rank 1 about to fail", flush=True)
+        raise ValueError("boom on a bare node")
+    dist.all_reduce(torch.ones(1))
+    return dist.get_rank()
+
+
+def die_on_rank_1() -> int:
+    if os.environ["RANK"] == "1":
+        print("last words of rank 1", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+    return 0
+
+
+def crash_once() -> tuple[str, str, float]:
+    """Rank 1 kills its own process on attempt 0; every rank all-reduces on the next."""
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    rank, attempt = os.environ["RANK"], os.environ["RESTART_COUNT"]
+    dist.init_process_group("gloo")
+    if rank == "1" and attempt == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return attempt, ray.util.get_node_ip_address(), total.item()
+
+
+def held_back(go: str) -> int:
+    """Rank 1 waits for `go` between two all_reduces: rank 0 waits for it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == 1:
+        while not os.path.exists(go):
+            time.sleep(0.1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return rank
+
+
+def node_environment() -> dict[str, Any]:
+    """A plain Ray task's view of its node: the raylet's interpreter."""
+    import ray
+
+    return {"node_ip": ray.util.get_node_ip_address(), "executable": sys.executable}
+
+
+# --- the scenarios -------------------------------------------------------------------------
+
+
+def mismatch_then_readme(address: str, work: Path) -> dict[str, Any]:
+    """Under a faked driver torch: the `where` pool, then the README's example (a second
+    pool on the same nodes)."""
+    hook = getattr(testing, "driver_torch_version", None)
+    result: dict[str, Any] = {"hook": hook is not None}
+    with hook(FAKE_TORCH) if hook is not None else contextlib.nullcontext():
+        try:
+            with distribute(
+                where, num_replicas=4, replicas_per_node=2, address=address, name="where"
+            ) as fn:
+                result["where"] = fn()
+        except Exception as exc:  # noqa: BLE001 - what it raised is the result
+            result["where_error"] = "".join(traceback.format_exception(exc))
+        result["readme"] = readme(work)
+    return result
+
+
+def readme(work: Path) -> dict[str, Any]:
+    """The README's example, verbatim (the test wrote it into the project folder), run as
+    a script is (its functions in `__main__`); it gives no address: RAY_ADDRESS is set."""
+    try:
+        found = runpy.run_path(str(work / "readme_example.py"), run_name="__main__")
+    except Exception as exc:  # noqa: BLE001 - what it raised is the result
+        return {"error": "".join(traceback.format_exception(exc))}
+    return {"losses": found.get("losses")}
+
+
+def raises(address: str, _work: Path) -> dict[str, Any]:
+    """A rank that raises: its traceback reaches the driver; the next call works."""
+    fn = distribute(
+        raise_on_rank_1, num_replicas=2, replicas_per_node=1, address=address, name="raises"
+    )
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - what it raised is the result
+        result = _failure_of(exc)
+    else:
+        result = {"type": None}
+    try:
+        fn.fn = lambda: int(os.environ["RANK"])
+        result["again"] = fn()
+    finally:
+        fn.shutdown()
+    return result
+
+
+def crash(address: str, _work: Path) -> dict[str, Any]:
+    """A rank SIGKILLed after a line: named as a crash, its last words shown."""
+    with distribute(
+        die_on_rank_1, num_replicas=2, replicas_per_node=1, address=address, name="crash"
+    ) as fn:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - what it raised is the result
+            return _failure_of(exc)
+    return {"type": None}
+
+
+def shm(address: str, work: Path) -> dict[str, Any]:
+    """A failed call's /dev/shm buffers are removed, on both hosts (one machine's /dev/shm)."""
+    import torch
+
+    from orchestrator_workers import sharing
+
+    table = torch.ones(1 << 20)  # 4 MB: shared through /dev/shm by each node's two ranks
+    go = work / "shm-go"
+
+    def fail_when_told() -> None:
+        while not go.exists():
+            time.sleep(0.05)
+        if os.environ["RANK"] == "1":
+            raise ValueError(f"rank 1 fails ({float(table.sum()):g})")
+        time.sleep(60)  # the others are stopped with the pool
+
+    result: dict[str, Any] = {}
+    with distribute(
+        fail_when_told, num_replicas=4, replicas_per_node=2, address=address, name="shm"
+    ) as fn:
+        job = fn.submit()
+        deadline = time.monotonic() + 60
+        while testing.view(job) is None and not job.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        view = testing.view(job)
+        if view is None:
+            go.touch()
+            return {"error": f"no view of the call; done={job.done()}", **_outcome(job)}
+        key = view.key
+        # As a rank killed before it counted itself would leave it:
+        left = sharing.SHM / f"{sharing.PREFIX}{key}-lost"
+        left.write_bytes(b"x")
+        result["planted"] = left.name
+        go.touch()
+        result.update(_outcome(job))
+    deadline = time.monotonic() + 15
+    while left.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result["left"] = sorted(p.name for p in sharing.SHM.glob(f"{sharing.PREFIX}{key}*"))
+    return result
+
+
+def _outcome(job: Any) -> dict[str, Any]:
+    try:
+        return {"result": job.result(timeout=60)}
+    except Exception as exc:  # noqa: BLE001 - what it raised is the result
+        return {"failure": _failure_of(exc)}
+
+
+def restarts(address: str, _work: Path) -> dict[str, Any]:
+    """max_restarts=1: rank 1 crashes on attempt 0, attempt 1 succeeds."""
+    with distribute(
+        crash_once,
+        num_replicas=2,
+        replicas_per_node=1,
+        address=address,
+        name="restarts",
+        max_restarts=1,
+    ) as fn:
+        job = fn.submit()
+        result = _outcome(job)
+        status = job.status()
+        result["restarts"] = status.restarts
+        result["failed_attempts"] = list(status.failed_attempts)
+    return result
+
+
+def stall(address: str, work: Path) -> dict[str, Any]:
+    """Rank 1 holds rank 0 back: the job's stall report names it, and where it is."""
+    go = work / "stall-go"
+    result: dict[str, Any] = {}
+    with distribute(
+        held_back,
+        num_replicas=2,
+        replicas_per_node=1,
+        address=address,
+        name="stall",
+        stall_after=STALL_AFTER_S,
+        log_dir=False,
+    ) as fn:
+        job = fn.submit(str(go))
+        started = time.monotonic()
+        seen = None
+        try:
+            while time.monotonic() < started + 60 and not job.done():
+                seen = job.status().stall
+                if seen and "rank 1 is at" in seen:
+                    break
+                time.sleep(0.3)
+        finally:
+            go.touch()
+        result["report"] = seen
+        result["seconds"] = time.monotonic() - started
+        result.update(_outcome(job))
+    return result
+
+
+def environment(address: str, _work: Path) -> dict[str, Any]:
+    """Each node's Ray, seen by plain Ray tasks: which interpreter its workers run."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+    task = ray.remote(num_cpus=0)(node_environment)
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    return {
+        "nodes": ray.get(
+            [
+                task.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+                ).remote()
+                for n in nodes
+            ],
+            timeout=60,
+        )
+    }
+
+
+SCENARIOS: list[Callable[[str, Path], dict[str, Any]]] = [
+    mismatch_then_readme,
+    raises,
+    crash,
+    shm,
+    restarts,
+    stall,
+    environment,
+]
+
+
+@contextlib.contextmanager
+def _limit(seconds: int) -> Iterator[None]:
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def main() -> None:
+    """Run every scenario, each under its limit; write the report after each."""
+    address, out, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    report: dict[str, Any] = {}
+    for scenario in SCENARIOS:
+        name = scenario.__name__
+        print(f"=== {name} ===", flush=True)
+        print(f"=== {name} ===", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        try:
+            with _limit(SCENARIO_S):
+                entry = scenario(address, work)
+        except Exception as exc:  # noqa: BLE001 - a scenario's failure is its result
+            entry = {"error": "".join(traceback.format_exception(exc))}
+        entry["seconds"] = round(time.monotonic() - started, 2)
+        report[name] = entry
+        out.write_text(json.dumps(report, indent=1, default=repr))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

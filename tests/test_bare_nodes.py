@@ -1,0 +1,501 @@
+"""Nodes without this package: two hosts in network namespaces (tests/hosts.py) whose Ray
+runs from environments that have ray, torch and cloudpickle but not `orchestrator_workers`
+(host 0), or an older copy of it (host 1). The driver, which has the package, must ship
+its rank side to them.
+
+Each node's environment is a venv without pip, made from this venv's base interpreter,
+whose site-packages holds a `.pth` file naming this venv's site-packages: the `.pth` files
+there (the editable install's finder among them) are not processed, so neither
+`orchestrator` nor `orchestrator_workers` imports; no PYTHONPATH leads to the repository.
+Host 1's venv also holds a copy of workers/ as `orchestrator_workers`, marked OLDER_COPY.
+
+One cluster for the module. tests/bare_nodes_driver.py runs the in-process scenarios in
+one driver, from a project folder inside host 0's namespace, and writes a report that the
+tests read; `orchestrator run` and `orchestrator stacks` run as processes of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import write
+from tests.hosts import REPO, Hosts, boot
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+DRIVER = Path(__file__).resolve().parent / "bare_nodes_driver.py"
+DRIVER_TIMEOUT_S = 480
+CLI_READY_S = 120
+CLI_TIMEOUT_S = 60
+FAKE_TORCH = "2.0.0"  # bare_nodes_driver.FAKE_TORCH
+SHIPPED = ("runtime_resources", "py_modules_files")
+"""Where Ray unpacks a runtime_env's py_modules on a node: in every such path."""
+CHECK = """\
+import importlib, json
+found = {}
+for name in ("ray", "torch", "cloudpickle", "orchestrator_workers", "orchestrator"):
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        found[name] = None
+        continue
+    found[name] = getattr(module, "__file__", None) or "(namespace)"
+    if name == "orchestrator_workers":
+        found["older_copy"] = hasattr(module, "OLDER_COPY")
+print(json.dumps(found))
+"""
+"""Run by each node's Python: what it imports, and from where."""
+
+
+@dataclass
+class NodeEnvs:
+    """The Python each host's Ray runs from."""
+
+    bare: Path
+    older: Path
+
+    @property
+    def pythons(self) -> list[Path]:
+        """Host 0's, then host 1's."""
+        return [self.bare / "bin" / "python", self.older / "bin" / "python"]
+
+
+@dataclass
+class Report:
+    """What the batched driver wrote and printed."""
+
+    scenarios: dict[str, Any]
+    stdout: str
+    stderr: str
+    returncode: int | None
+    hosts: Hosts
+
+    def section(self, name: str) -> dict[str, Any]:
+        """Scenario `name`'s entry; fail with the driver's output if it raised or is missing."""
+        entry = self.scenarios.get(name)
+        if entry is None:
+            pytest.fail(f"scenario {name} did not run\n{self.show()}")
+        if "error" in entry:
+            rest = {k: v for k, v in entry.items() if k != "error"}
+            pytest.fail(f"scenario {name}: {entry['error']}\n{rest}\n{self.show()}")
+        return entry
+
+    def show(self) -> str:
+        """For a failed assertion: the driver's status and output, and the nodes' logs."""
+        return (
+            f"driver exit {self.returncode}\nstdout:\n{self.stdout[-6000:]}\n"
+            f"stderr:\n{self.stderr[-10000:]}\n{self.hosts.ray_logs()}"
+        )
+
+
+def _site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+
+
+def _make_node_env(folder: Path, *, older: bool) -> None:
+    """A venv without pip that reaches this venv's site-packages through a `.pth` file;
+    `older`: with a marked copy of workers/ installed as `orchestrator_workers`."""
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run(
+        [base, "-m", "venv", "--without-pip", str(folder)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    site = _site_packages(folder)
+    assert site.is_dir(), site
+    ours = sysconfig.get_paths()
+    (site / "test-venv.pth").write_text(
+        "".join(f"{p}\n" for p in sorted({ours["purelib"], ours["platlib"]}))
+    )
+    if older:
+        copy = site / "orchestrator_workers"
+        shutil.copytree(REPO / "workers", copy, ignore=shutil.ignore_patterns("__pycache__"))
+        with (copy / "__init__.py").open("a") as init:
+            init.write("\nOLDER_COPY = True  # tests/test_bare_nodes.py: not the driver's copy\n")
+
+
+def _check_node_envs(envs: NodeEnvs) -> None:
+    """Each node's Python imports ray, torch and cloudpickle; neither imports `orchestrator`;
+    only host 1's has `orchestrator_workers`, its older copy."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    checks = [
+        subprocess.Popen(
+            [str(python), "-c", CHECK],
+            env=env,
+            cwd="/",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for python in envs.pythons
+    ]
+    found = []
+    for check in checks:
+        out, err = check.communicate(timeout=120)
+        assert check.returncode == 0, err
+        found.append(json.loads(out))
+    bare, older = found
+    for name in ("ray", "torch", "cloudpickle"):
+        assert bare[name] and older[name], (name, found)
+    assert bare["orchestrator_workers"] is None, bare
+    assert bare["orchestrator"] is None and older["orchestrator"] is None, found
+    assert older["orchestrator_workers"] == str(
+        _site_packages(envs.older) / "orchestrator_workers" / "__init__.py"
+    ), older
+    assert older["older_copy"] is True, older
+
+
+@pytest.fixture(scope="module")
+def node_envs() -> Iterator[NodeEnvs]:
+    """The two nodes' environments, made here and checked."""
+    tmp = Path(tempfile.mkdtemp(prefix="obn", dir="/tmp"))
+    try:
+        started = time.monotonic()
+        envs = NodeEnvs(tmp / "bare", tmp / "older")
+        _make_node_env(envs.bare, older=False)
+        _make_node_env(envs.older, older=True)
+        made = time.monotonic()
+        _check_node_envs(envs)
+        checked = time.monotonic() - made
+        print(f"\nbare nodes: envs made in {made - started:.1f} s, checked in {checked:.1f} s")
+        yield envs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_hosts(node_envs: NodeEnvs) -> Iterator[Hosts]:
+    """The cluster: host 0's Ray from the bare venv, host 1's from the older copy's."""
+    started = time.monotonic()
+    with boot(node_envs.pythons, repo_on_path=False) as hosts:
+        print(f"bare nodes: cluster up in {time.monotonic() - started:.1f} s")
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def project(two_hosts: Hosts) -> Path:
+    """The user's project folder (not the repository): the driver, the README's example."""
+    readme = (REPO / "README.md").read_text()
+    example = re.search(r"## Example\n+```python\n(.*?)```", readme, re.S)
+    assert example, "README.md: no ```python block under ## Example"
+    folder = two_hosts.tmp / "project"
+    folder.mkdir()
+    shutil.copy(DRIVER, folder / DRIVER.name)
+    (folder / "readme_example.py").write_text(example.group(1))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def report(two_hosts: Hosts, project: Path) -> Report:
+    """tests/bare_nodes_driver.py, run once; what it reported and printed."""
+    h = two_hosts
+    out = project / "report.json"
+    argv = [sys.executable, str(project / DRIVER.name), h.address, str(out), str(project)]
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            h.argv(argv),
+            cwd=project,
+            env={**h.env, "RAY_ADDRESS": h.address},  # the README's example gives none
+            capture_output=True,
+            text=True,
+            timeout=DRIVER_TIMEOUT_S,
+            check=False,
+        )
+        stdout, stderr, returncode = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout, stderr, returncode = _text(exc.stdout), _text(exc.stderr), None
+        stderr += f"\n(the driver was killed after {DRIVER_TIMEOUT_S} s)"
+    print(f"\nbare nodes: driver {time.monotonic() - started:.1f} s")
+    scenarios = json.loads(out.read_text()) if out.exists() else {}
+    print({name: entry.get("seconds") for name, entry in scenarios.items()})
+    return Report(scenarios, stdout, stderr, returncode, h)
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+# --- the environment ------------------------------------------------------------------------
+
+
+def test_each_node_s_ray_runs_its_own_environment(two_hosts, node_envs, report):
+    nodes = report.section("environment")["nodes"]
+    executables = {n["node_ip"]: n["executable"] for n in nodes}
+    assert executables == dict(zip(two_hosts.ips, map(str, node_envs.pythons), strict=True))
+
+
+# --- the batched driver's scenarios ----------------------------------------------------------
+
+
+def test_the_readme_example_trains_on_both_hosts(report):
+    readme = report.section("mismatch_then_readme")["readme"]
+    assert "error" not in readme, f"{readme['error']}\n{report.show()}"
+    losses = readme["losses"]
+    assert isinstance(losses, list) and len(losses) == 4, losses
+    assert all(isinstance(loss, float) for loss in losses), losses
+    lines = report.stdout.splitlines()
+    for rank in range(4):
+        epochs = [
+            int(m.group(1))
+            for line in lines
+            if (
+                m := re.fullmatch(
+                    rf"\[train_loop r{rank}\] Rank {rank}: Epoch (\d+), Loss \S+", line
+                )
+            )
+        ]
+        assert epochs == [*range(10), *range(5)], (rank, report.show())
+
+
+def test_each_rank_s_output_reaches_the_driver_labelled(report):
+    report.section("mismatch_then_readme")
+    for rank in range(4):
+        assert f"[where r{rank}] stdout line of rank {rank}" in report.stdout, report.show()
+        assert f"[where r{rank}] stderr line of rank {rank}" in report.stderr, report.show()
+        assert f"stderr line of rank {rank}" not in report.stdout
+
+
+def test_every_rank_runs_the_driver_s_shipped_rank_side(two_hosts, node_envs, report):
+    scenario = report.section("mismatch_then_readme")
+    assert "where" in scenario, f"{scenario.get('where_error')}\n{report.show()}"
+    ranks = scenario["where"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    h = two_hosts
+    assert [r["node_ip"] for r in ranks] == [h.ips[0], h.ips[0], h.ips[1], h.ips[1]]
+    pythons = [str(p) for p in node_envs.pythons]
+    assert [r["executable"] for r in ranks] == [pythons[0]] * 2 + [pythons[1]] * 2
+    for r in ranks:  # the bare host's and the older copy's alike
+        assert all(part in r["workers_file"] for part in SHIPPED), r
+        assert r["workers_file"].endswith("orchestrator_workers/__init__.py"), r
+        assert not r["older_copy"], r
+
+
+def test_a_torch_mismatch_warns_once_per_node(two_hosts, report):
+    scenario = report.section("mismatch_then_readme")
+    assert scenario["hook"], "orchestrator.testing.driver_torch_version is missing"
+    assert "where" in scenario, f"{scenario.get('where_error')}\n{report.show()}"
+    nodes_torch = torch.__version__.split("+")[0]
+    assert {r["torch"].split("+")[0] for r in scenario["where"]} == {nodes_torch}
+    ips = ", ".join(two_hosts.ips)
+    expected = (
+        f"[where] nodes run another torch than this driver ({FAKE_TORCH}): {nodes_torch} on "
+        f"{ips}; install torch=={FAKE_TORCH} there, or torch=={nodes_torch} here"
+    )
+    warnings = [
+        line
+        for line in report.stderr.splitlines()
+        if "nodes run another torch than this driver" in line
+    ]
+    # Once: the README's example, a second pool on the same nodes under the same hook,
+    # ran without warning again (and no later pool did).
+    assert "error" not in scenario["readme"], report.show()
+    assert warnings == [expected], report.show()
+
+
+def test_a_rank_s_exception_arrives_with_its_traceback(report):
+    raised = report.section("raises")
+    assert raised["type"] is not None, "the call did not fail"
+    assert raised["distributed"] and raised["value_error"], raised
+    assert raised["root_rank"] == 1, raised
+    text = raised["text"]
+    assert text.startswith("rank 1 (local rank 0)"), text
+    assert "raised ValueError: boom on a bare node" in text, text
+    assert 'raise ValueError("boom on a bare node")' in text, text  # the rank's traceback
+    assert "bare_nodes_driver.py" in text, text
+    assert "[raises r1] rank 1 about to fail" in report.stdout, report.show()
+    assert raised["again"] == [0, 1]  # the pool was replaced: the next call works
+
+
+def test_a_crashed_rank_s_last_words_are_shown(report):
+    crashed = report.section("crash")
+    assert crashed["type"] is not None, "the call did not fail"
+    assert crashed["distributed"] and crashed["root_rank"] == 1, crashed
+    assert crashed["root_exc_type"] == "crash", crashed
+    assert crashed["text"].startswith("rank 1 (local rank 0)"), crashed["text"]
+    assert "killed by a signal" in crashed["text"], crashed["text"]
+    assert "[crash r1] last words of rank 1" in report.stdout, report.show()
+
+
+def test_a_failed_call_s_buffers_are_removed_from_dev_shm(report):
+    shm = report.section("shm")
+    assert "failure" in shm, shm
+    assert shm["failure"]["root_rank"] == 1, shm
+    assert "rank 1 fails (1.04858e+06)" in shm["failure"]["text"], shm  # the shared table
+    assert shm["left"] == [], shm  # the planted leftover too
+
+
+def test_a_crashed_rank_restarts_the_job(two_hosts, report):
+    restarted = report.section("restarts")
+    assert "result" in restarted, restarted
+    assert [tuple(r) for r in restarted["result"]] == [
+        ("1", two_hosts.ips[0], 2.0),
+        ("1", two_hosts.ips[1], 2.0),
+    ]
+    assert restarted["restarts"] == 1, restarted
+    assert "rank 1" in restarted["failed_attempts"][0], restarted
+    assert "crashed" in restarted["failed_attempts"][0], restarted
+    assert "[restarts] attempt 1 failed: rank 1 (local rank 0)" in report.stderr, report.show()
+    assert "restarting all 2 ranks" in report.stderr, report.show()
+
+
+def test_a_stall_names_the_rank_that_holds_the_others_back(report):
+    stalled = report.section("stall")
+    line = stalled["report"]
+    assert line and "rank 1 is at bare_nodes_driver.py" in line, stalled
+    assert "in held_back (`time.sleep(0.1)`)" in line, line
+    assert "rank 0 waits in all_reduce at bare_nodes_driver.py" in line, line
+    assert stalled.get("result") == [0, 1], stalled  # a report, not a failure
+
+
+# --- `orchestrator run` and `orchestrator stacks`, processes of their own --------------------
+
+
+@dataclass
+class CliJob:
+    """`orchestrator run` of a torchrun script, and `orchestrator stacks` while it waited."""
+
+    run: subprocess.CompletedProcess[str]
+    stacks: subprocess.CompletedProcess[str] | None
+    hosts: Hosts
+
+    def show(self) -> str:
+        """For a failed assertion: both commands' status and output, and the nodes' logs."""
+        shown = [("run", self.run), ("stacks", self.stacks)]
+        return (
+            "\n".join(
+                f"--- orchestrator {name}: exit {p.returncode}\nstdout:\n{p.stdout[-4000:]}\n"
+                f"stderr:\n{p.stderr[-6000:]}"
+                for name, p in shown
+                if p is not None
+            )
+            + f"\n{self.hosts.ray_logs()}"
+        )
+
+
+TRAIN = """\
+import os, sys, time
+import torch
+import torch.distributed as dist
+
+import orchestrator_workers
+
+
+def wait_for_go():
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.1)
+
+
+def wait_for_rank_0():
+    dist.barrier()
+
+
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+print(f"rank={os.environ['RANK']} local_rank={os.environ['LOCAL_RANK']} "
+      f"world={os.environ['WORLD_SIZE']} sum={total.item():g} "
+      f"shipped={'py_modules_files' in orchestrator_workers.__file__}", flush=True)
+print("ready", flush=True)
+if dist.get_rank() == 0:
+    wait_for_go()
+wait_for_rank_0()
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_job(two_hosts: Hosts, project: Path) -> Iterator[CliJob]:
+    """`orchestrator run --nnodes 2 --nproc-per-node 1 train.py`, from a folder of the
+    project; once both ranks wait, `orchestrator stacks` from another process."""
+    h = two_hosts
+    folder = write(project / "cli", {"train.py": TRAIN})
+    go = project / "cli-go"
+    run = [
+        sys.executable, "-m", "orchestrator", "run", "--address", h.address,
+        "--nnodes", "2", "--nproc-per-node", "1", "--name", "clijob", "train.py", str(go),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        h.argv(run),
+        cwd=folder,
+        env=h.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    out: list[str] = []
+    err: list[str] = []
+    ready = threading.Event()
+
+    def read_out() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if sum(seen.rstrip("\n").endswith(" ready") for seen in out) == 2:
+                ready.set()
+
+    def read_err() -> None:
+        assert proc.stderr is not None
+        err.extend(proc.stderr)
+
+    readers = [threading.Thread(target=f, daemon=True) for f in (read_out, read_err)]
+    for reader in readers:
+        reader.start()
+    stacks = None
+    try:
+        if ready.wait(CLI_READY_S):
+            stacks = h.run(
+                [sys.executable, "-m", "orchestrator", "stacks", "clijob", "--address", h.address],
+                cwd=project,
+                timeout=CLI_TIMEOUT_S,
+            )
+        go.touch()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(CLI_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for reader in readers:
+            reader.join(10)
+    done = subprocess.CompletedProcess(run, proc.returncode, "".join(out), "".join(err))
+    yield CliJob(done, stacks, h)
+
+
+def test_orchestrator_run_runs_a_torchrun_script_on_both_hosts(cli_job):
+    run = cli_job.run
+    assert run.returncode == 0, cli_job.show()
+    found = re.findall(
+        r"^\[clijob r(\d)\] rank=(\d) local_rank=0 world=2 sum=3 shipped=True$", run.stdout, re.M
+    )
+    assert sorted(found) == [("0", "0"), ("1", "1")], cli_job.show()
+
+
+def test_orchestrator_stacks_shows_a_running_job_s_ranks(cli_job):
+    stacks = cli_job.stacks
+    assert stacks is not None, f"the ranks never said ready\n{cli_job.show()}"
+    assert stacks.returncode == 0, cli_job.show()
+    rank0, rank1 = stacks.stdout.split("--- rank 1 ---")
+    assert "--- rank 0 ---" in rank0, cli_job.show()
+    assert "in wait_for_go" in rank0 and "time.sleep(0.1)" in rank0, cli_job.show()
+    assert "in wait_for_rank_0" in rank1 and "dist.barrier()" in rank1, cli_job.show()
