@@ -311,12 +311,18 @@ def upload_module(folder: Path) -> str:
         _fell_back("upload_module", exc)
         return str(folder)
     uri = uri_for(str(folder), include_gitignore=False)
-    upload(
-        uri,
-        str(folder.parent),
-        str(folder),
-        include_gitignore=False,
-        include_parent_dir=True,
-        logger=logging.getLogger(__name__),
-    )
+    quiet = logging.getLogger(packaging.__name__)  # "Creating a file package ...": Ray's own
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        upload(
+            uri,
+            str(folder.parent),
+            str(folder),
+            include_gitignore=False,
+            include_parent_dir=True,
+            logger=quiet,
+        )
+    finally:
+        quiet.setLevel(level)
     return uri
