@@ -10,9 +10,15 @@ own time limit; its result, or its error and traceback, goes into the report, wh
 written again after every scenario (a killed driver leaves those it finished).
 
 The torch mismatch comes first, so that the driver's first look at the nodes is made
-under `testing.driver_torch_version`: its pool (`where`, 4 ranks: where each rank's
-`orchestrator_workers` comes from, and lines on stdout and stderr), then the README's
-example as a second pool on the same nodes, which must not warn again.
+under `testing.driver_torch_version`: its pool (`where`, 4 ranks) tells where each rank's
+`orchestrator_workers` comes from and writes lines on stdout and stderr; the same warm
+pool then runs gloo across the hosts (`probe`), and the control call without
+GLOO_SOCKET_IFNAME, which must fail; then the README's example runs as a second pool on
+the same nodes, which must not warn again.
+
+Pools cost most of the time, so scenarios share them where a call leaves its pool warm:
+restarts, stall, raises and crash are calls of one 2-rank function (`pair`), whose pool a
+failed call replaces.
 """
 
 from __future__ import annotations
@@ -26,15 +32,19 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from orchestrator import DistributedError, distribute, testing
+from orchestrator import DistributedError, DistributedFunction, distribute, testing
 
 FAKE_TORCH = "2.0.0"
 """The torch version the driver is made to believe it has."""
 SCENARIO_S = 120
 STALL_AFTER_S = 3
+GLOO_TIMEOUT = timedelta(seconds=20)
+"""Far below gloo's 30 min default: a wrong address must fail the test, not hang it."""
+CONTROL_TIMEOUT = timedelta(seconds=6)
 
 
 class ScenarioTimeout(Exception):
@@ -80,6 +90,37 @@ def where() -> dict[str, Any]:
         "workers_file": orchestrator_workers.__file__,
         "older_copy": hasattr(orchestrator_workers, "OLDER_COPY"),
         "torch": importlib.metadata.version("torch"),
+    }
+
+
+def probe(*, drop_interface: bool = False) -> dict[str, Any]:
+    """Init gloo from the environment, all-reduce the rank, report; `drop_interface`: with
+    GLOO_SOCKET_IFNAME removed, so gloo falls back to the hostname, loopback on these hosts."""
+    import socket
+
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if drop_interface:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    dist.init_process_group("gloo", timeout=CONTROL_TIMEOUT if drop_interface else GLOO_TIMEOUT)
+    total = torch.tensor([dist.get_rank()], dtype=torch.int64)
+    dist.all_reduce(total)
+    hostname = socket.gethostname()
+    return {
+        "rank": dist.get_rank(),
+        "env_rank": int(os.environ["RANK"]),
+        "world_size": dist.get_world_size(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "node_rank": int(os.environ["NODE_RANK"]),
+        "master_addr": os.environ["MASTER_ADDR"],
+        "node_ip": ray.util.get_node_ip_address(),
+        "sum": int(total.item()),
+        "gloo_socket_ifname": interface,
+        "hostname": hostname,
+        "hostname_ip": socket.gethostbyname(hostname),
     }
 
 
@@ -147,19 +188,41 @@ def node_environment() -> dict[str, Any]:
 
 
 def mismatch_then_readme(address: str, work: Path) -> dict[str, Any]:
-    """Under a faked driver torch: the `where` pool, then the README's example (a second
-    pool on the same nodes)."""
+    """Under a faked driver torch: the `where` pool (`where`, then gloo across the hosts and
+    the control call without the interface), then the README's example (a second pool on
+    the same nodes)."""
     hook = getattr(testing, "driver_torch_version", None)
     result: dict[str, Any] = {"hook": hook is not None}
+    steps: dict[str, float] = {}
+    result["steps"] = steps
+    step = time.monotonic()
+
+    def took(name: str) -> None:
+        nonlocal step
+        steps[name] = round(time.monotonic() - step, 2)
+        step = time.monotonic()
+
     with hook(FAKE_TORCH) if hook is not None else contextlib.nullcontext():
         try:
             with distribute(
                 where, num_replicas=4, replicas_per_node=2, address=address, name="where"
             ) as fn:
                 result["where"] = fn()
+                took("where")
+                fn.fn = probe
+                result["gloo"] = fn()
+                took("gloo")
+                try:
+                    fn(drop_interface=True)
+                except Exception as exc:  # noqa: BLE001 - the report is the result
+                    result["control"] = f"{type(exc).__name__}: {exc}"
+                else:
+                    result["control"] = None
         except Exception as exc:  # noqa: BLE001 - what it raised is the result
             result["where_error"] = "".join(traceback.format_exception(exc))
+        took("control")
         result["readme"] = readme(work)
+        took("readme")
     return result
 
 
@@ -173,34 +236,90 @@ def readme(work: Path) -> dict[str, Any]:
     return {"losses": found.get("losses")}
 
 
+_pair_fn: list[DistributedFunction[..., Any]] = []
+
+
+def _pair(address: str) -> DistributedFunction[..., Any]:
+    """The 2-rank function, one rank per host, that restarts, stall, raises and crash call
+    in turn (each sets its `fn`): one warm pool serves them until a call fails."""
+    if not _pair_fn:
+        _pair_fn.append(
+            distribute(
+                crash_once, num_replicas=2, replicas_per_node=1, address=address, name="pair"
+            )
+        )
+    return _pair_fn[0]
+
+
+def _release_pair() -> None:
+    while _pair_fn:
+        _pair_fn.pop().shutdown()
+
+
+def restarts(address: str, _work: Path) -> dict[str, Any]:
+    """max_restarts=1: rank 1 crashes on attempt 0, attempt 1 succeeds (on the pair's new
+    pool: its first call)."""
+    fn = _pair(address)
+    fn.fn = crash_once
+    job = fn.with_options(max_restarts=1).submit()
+    result = _outcome(job)
+    status = job.status()
+    result["restarts"] = status.restarts
+    result["failed_attempts"] = list(status.failed_attempts)
+    return result
+
+
+def stall(address: str, work: Path) -> dict[str, Any]:
+    """Rank 1 holds rank 0 back: the job's stall report names it, and where it is."""
+    go = work / "stall-go"
+    result: dict[str, Any] = {}
+    fn = _pair(address)
+    fn.fn = held_back
+    job = fn.with_options(stall_after=STALL_AFTER_S).submit(str(go))
+    started = time.monotonic()
+    seen = None
+    try:
+        while time.monotonic() < started + 60 and not job.done():
+            seen = job.status().stall
+            if seen and "rank 1 is at" in seen:
+                break
+            time.sleep(0.3)
+    finally:
+        go.touch()
+    result["report"] = seen
+    result["seconds"] = time.monotonic() - started
+    result.update(_outcome(job))
+    return result
+
+
 def raises(address: str, _work: Path) -> dict[str, Any]:
-    """A rank that raises: its traceback reaches the driver; the next call works."""
-    fn = distribute(
-        raise_on_rank_1, num_replicas=2, replicas_per_node=1, address=address, name="raises"
-    )
+    """A rank that raises: its traceback reaches the driver; the next call (on a new pool:
+    a failed call's pool is replaced) works."""
+    fn = _pair(address)
+    fn.fn = raise_on_rank_1
+    warm = fn.pids()
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - what it raised is the result
         result = _failure_of(exc)
     else:
         result = {"type": None}
-    try:
-        fn.fn = lambda: int(os.environ["RANK"])
-        result["again"] = fn()
-    finally:
-        fn.shutdown()
+    fn.fn = lambda: int(os.environ["RANK"])
+    result["again"] = fn()
+    result["pids"] = [warm, fn.pids()]
     return result
 
 
 def crash(address: str, _work: Path) -> dict[str, Any]:
     """A rank SIGKILLed after a line: named as a crash, its last words shown."""
-    with distribute(
-        die_on_rank_1, num_replicas=2, replicas_per_node=1, address=address, name="crash"
-    ) as fn:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - what it raised is the result
-            return _failure_of(exc)
+    fn = _pair(address)
+    fn.fn = die_on_rank_1
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - what it raised is the result
+        return _failure_of(exc)
+    finally:
+        _release_pair()
     return {"type": None}
 
 
@@ -253,54 +372,6 @@ def _outcome(job: Any) -> dict[str, Any]:
         return {"failure": _failure_of(exc)}
 
 
-def restarts(address: str, _work: Path) -> dict[str, Any]:
-    """max_restarts=1: rank 1 crashes on attempt 0, attempt 1 succeeds."""
-    with distribute(
-        crash_once,
-        num_replicas=2,
-        replicas_per_node=1,
-        address=address,
-        name="restarts",
-        max_restarts=1,
-    ) as fn:
-        job = fn.submit()
-        result = _outcome(job)
-        status = job.status()
-        result["restarts"] = status.restarts
-        result["failed_attempts"] = list(status.failed_attempts)
-    return result
-
-
-def stall(address: str, work: Path) -> dict[str, Any]:
-    """Rank 1 holds rank 0 back: the job's stall report names it, and where it is."""
-    go = work / "stall-go"
-    result: dict[str, Any] = {}
-    with distribute(
-        held_back,
-        num_replicas=2,
-        replicas_per_node=1,
-        address=address,
-        name="stall",
-        stall_after=STALL_AFTER_S,
-        log_dir=False,
-    ) as fn:
-        job = fn.submit(str(go))
-        started = time.monotonic()
-        seen = None
-        try:
-            while time.monotonic() < started + 60 and not job.done():
-                seen = job.status().stall
-                if seen and "rank 1 is at" in seen:
-                    break
-                time.sleep(0.3)
-        finally:
-            go.touch()
-        result["report"] = seen
-        result["seconds"] = time.monotonic() - started
-        result.update(_outcome(job))
-    return result
-
-
 def environment(address: str, _work: Path) -> dict[str, Any]:
     """Each node's Ray, seen by plain Ray tasks: which interpreter its workers run."""
     import ray
@@ -325,11 +396,11 @@ def environment(address: str, _work: Path) -> dict[str, Any]:
 
 SCENARIOS: list[Callable[[str, Path], dict[str, Any]]] = [
     mismatch_then_readme,
-    raises,
+    restarts,  # the pair's first pool: restarted in place, then warm for stall and raises
+    stall,
+    raises,  # fails: the pair's next pool runs `again` and crash
     crash,
     shm,
-    restarts,
-    stall,
     environment,
 ]
 
@@ -359,9 +430,11 @@ def main() -> None:
                 entry = scenario(address, work)
         except Exception as exc:  # noqa: BLE001 - a scenario's failure is its result
             entry = {"error": "".join(traceback.format_exception(exc))}
+            _release_pair()  # the next scenario starts from a fresh pool
         entry["seconds"] = round(time.monotonic() - started, 2)
         report[name] = entry
         out.write_text(json.dumps(report, indent=1, default=repr))
+    _release_pair()
     sys.stdout.flush()
 
 

@@ -9,6 +9,12 @@ there (the editable install's finder among them) are not processed, so neither
 `orchestrator` nor `orchestrator_workers` imports; no PYTHONPATH leads to the repository.
 Host 1's venv also holds a copy of workers/ as `orchestrator_workers`, marked OLDER_COPY.
 
+In the namespaces the machine's hostname resolves to loopback, as /etc/hosts makes it do
+on many machines. Without GLOO_SOCKET_IFNAME gloo would then advertise 127.0.0.1 to its
+peers and fail (`Gloo connectFullMesh failed ... remote=[127.0.0.1]`); the tests never set
+the variable themselves, distribute() must, and a control call without it must fail. Each
+node's `ray start --temp-dir` keeps its address file there, never in /tmp/ray.
+
 One cluster for the module. tests/bare_nodes_driver.py runs the in-process scenarios in
 one driver, from a project folder inside host 0's namespace, and writes a report that the
 tests read; `orchestrator run` and `orchestrator stacks` run as processes of their own.
@@ -37,7 +43,7 @@ import pytest
 import torch
 
 from tests.helpers import write
-from tests.hosts import REPO, Hosts, boot
+from tests.hosts import RAY_ADDRESS_FILE, REPO, Hosts, boot
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -133,11 +139,10 @@ def _make_node_env(folder: Path, *, older: bool) -> None:
             init.write("\nOLDER_COPY = True  # tests/test_bare_nodes.py: not the driver's copy\n")
 
 
-def _check_node_envs(envs: NodeEnvs) -> None:
-    """Each node's Python imports ray, torch and cloudpickle; neither imports `orchestrator`;
-    only host 1's has `orchestrator_workers`, its older copy."""
+def _start_checks(envs: NodeEnvs) -> list[subprocess.Popen[str]]:
+    """Run CHECK by each node's Python, host 0's first."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    checks = [
+    return [
         subprocess.Popen(
             [str(python), "-c", CHECK],
             env=env,
@@ -148,6 +153,11 @@ def _check_node_envs(envs: NodeEnvs) -> None:
         )
         for python in envs.pythons
     ]
+
+
+def _check_node_envs(envs: NodeEnvs, checks: list[subprocess.Popen[str]]) -> None:
+    """Each node's Python imports ray, torch and cloudpickle; neither imports `orchestrator`;
+    only host 1's has `orchestrator_workers`, its older copy."""
     found = []
     for check in checks:
         out, err = check.communicate(timeout=120)
@@ -166,17 +176,14 @@ def _check_node_envs(envs: NodeEnvs) -> None:
 
 @pytest.fixture(scope="module")
 def node_envs() -> Iterator[NodeEnvs]:
-    """The two nodes' environments, made here and checked."""
+    """The two nodes' environments, made here (checked while the cluster boots)."""
     tmp = Path(tempfile.mkdtemp(prefix="obn", dir="/tmp"))
     try:
         started = time.monotonic()
         envs = NodeEnvs(tmp / "bare", tmp / "older")
         _make_node_env(envs.bare, older=False)
         _make_node_env(envs.older, older=True)
-        made = time.monotonic()
-        _check_node_envs(envs)
-        checked = time.monotonic() - made
-        print(f"\nbare nodes: envs made in {made - started:.1f} s, checked in {checked:.1f} s")
+        print(f"\nbare nodes: envs made in {time.monotonic() - started:.1f} s")
         yield envs
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,11 +191,22 @@ def node_envs() -> Iterator[NodeEnvs]:
 
 @pytest.fixture(scope="module")
 def two_hosts(node_envs: NodeEnvs) -> Iterator[Hosts]:
-    """The cluster: host 0's Ray from the bare venv, host 1's from the older copy's."""
+    """The cluster: host 0's Ray from the bare venv, host 1's from the older copy's; the
+    venvs are checked while it boots (each takes seconds: together, hardly more than one)."""
     started = time.monotonic()
-    with boot(node_envs.pythons, repo_on_path=False) as hosts:
-        print(f"bare nodes: cluster up in {time.monotonic() - started:.1f} s")
-        yield hosts
+    checks = _start_checks(node_envs)
+    try:
+        with boot(node_envs.pythons, repo_on_path=False) as hosts:
+            up = time.monotonic() - started
+            _check_node_envs(node_envs, checks)
+            checked = time.monotonic() - started
+            print(f"bare nodes: cluster up in {up:.1f} s, envs checked by {checked:.1f} s")
+            yield hosts
+    finally:
+        for check in checks:  # where the boot failed or skipped before they were read
+            if check.poll() is None:
+                check.kill()
+            check.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -228,11 +246,19 @@ def report(two_hosts: Hosts, project: Path) -> Report:
     print(f"\nbare nodes: driver {time.monotonic() - started:.1f} s")
     scenarios = json.loads(out.read_text()) if out.exists() else {}
     print({name: entry.get("seconds") for name, entry in scenarios.items()})
+    print(scenarios.get("mismatch_then_readme", {}).get("steps"))
     return Report(scenarios, stdout, stderr, returncode, h)
 
 
 def _text(data: str | bytes | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 # --- the environment ------------------------------------------------------------------------
@@ -245,6 +271,36 @@ def test_each_node_s_ray_runs_its_own_environment(two_hosts, node_envs, report):
 
 
 # --- the batched driver's scenarios ----------------------------------------------------------
+
+
+def test_gloo_runs_across_the_hosts_on_the_interface_distribute_found(two_hosts, report):
+    """4 ranks, 2 per host: rank 0 on the driver's host, gloo across the bridge."""
+    scenario = report.section("mismatch_then_readme")
+    assert "gloo" in scenario, f"{scenario.get('where_error')}\n{report.show()}"
+    ranks = scenario["gloo"]
+    h = two_hosts
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert [r["env_rank"] for r in ranks] == [0, 1, 2, 3]
+    assert all(r["world_size"] == 4 for r in ranks)
+    assert [r["node_rank"] for r in ranks] == [0, 0, 1, 1]
+    assert [r["local_rank"] for r in ranks] == [0, 1, 0, 1]
+    assert [r["master_addr"] for r in ranks] == [h.ips[0]] * 4
+    assert [r["node_ip"] for r in ranks] == [h.ips[0], h.ips[0], h.ips[1], h.ips[1]]
+    assert [r["sum"] for r in ranks] == [6] * 4
+    # Found by distribute(), never set by this test: the interface carrying each node's IP.
+    assert "GLOO_SOCKET_IFNAME" not in h.env
+    expected = [h.interfaces[0]] * 2 + [h.interfaces[1]] * 2
+    assert [r["gloo_socket_ifname"] for r in ranks] == expected
+    # The trap is real: on these hosts the hostname resolves to loopback ...
+    assert all(r["hostname_ip"].startswith("127.") for r in ranks), ranks
+
+
+def test_without_the_interface_gloo_fails_on_loopback(report):
+    """... and without the interface, gloo fails across the hosts."""
+    scenario = report.section("mismatch_then_readme")
+    assert "control" in scenario, f"{scenario.get('where_error')}\n{report.show()}"
+    assert scenario["control"] is not None, "gloo worked without GLOO_SOCKET_IFNAME"
+    assert "127.0.0.1" in scenario["control"], scenario["control"]
 
 
 def test_the_readme_example_trains_on_both_hosts(report):
@@ -322,8 +378,10 @@ def test_a_rank_s_exception_arrives_with_its_traceback(report):
     assert "raised ValueError: boom on a bare node" in text, text
     assert 'raise ValueError("boom on a bare node")' in text, text  # the rank's traceback
     assert "bare_nodes_driver.py" in text, text
-    assert "[raises r1] rank 1 about to fail" in report.stdout, report.show()
+    assert "[pair r1] rank 1 about to fail" in report.stdout, report.show()
     assert raised["again"] == [0, 1]  # the pool was replaced: the next call works
+    warm, again = raised["pids"]
+    assert len(warm) == 2 and not set(warm) & set(again), raised  # the warm one, by a new one
 
 
 def test_a_crashed_rank_s_last_words_are_shown(report):
@@ -333,7 +391,7 @@ def test_a_crashed_rank_s_last_words_are_shown(report):
     assert crashed["root_exc_type"] == "crash", crashed
     assert crashed["text"].startswith("rank 1 (local rank 0)"), crashed["text"]
     assert "killed by a signal" in crashed["text"], crashed["text"]
-    assert "[crash r1] last words of rank 1" in report.stdout, report.show()
+    assert "[pair r1] last words of rank 1" in report.stdout, report.show()
 
 
 def test_a_failed_call_s_buffers_are_removed_from_dev_shm(report):
@@ -354,7 +412,7 @@ def test_a_crashed_rank_restarts_the_job(two_hosts, report):
     assert restarted["restarts"] == 1, restarted
     assert "rank 1" in restarted["failed_attempts"][0], restarted
     assert "crashed" in restarted["failed_attempts"][0], restarted
-    assert "[restarts] attempt 1 failed: rank 1 (local rank 0)" in report.stderr, report.show()
+    assert "[pair] attempt 1 failed: rank 1 (local rank 0)" in report.stderr, report.show()
     assert "restarting all 2 ranks" in report.stderr, report.show()
 
 
@@ -462,16 +520,23 @@ def cli_job(two_hosts: Hosts, project: Path) -> Iterator[CliJob]:
     for reader in readers:
         reader.start()
     stacks = None
+    started = time.monotonic()
+    seconds: dict[str, float] = {}
     try:
         if ready.wait(CLI_READY_S):
+            seconds["ready"] = time.monotonic() - started
             stacks = h.run(
                 [sys.executable, "-m", "orchestrator", "stacks", "clijob", "--address", h.address],
                 cwd=project,
                 timeout=CLI_TIMEOUT_S,
             )
+            seconds["stacks"] = time.monotonic() - started
         go.touch()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(CLI_TIMEOUT_S)
+        seconds["done"] = time.monotonic() - started
+        shown = {k: round(v, 1) for k, v in seconds.items()}
+        print(f"\nbare nodes: orchestrator run, and stacks while it waits: {shown} s")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -499,3 +564,16 @@ def test_orchestrator_stacks_shows_a_running_job_s_ranks(cli_job):
     assert "--- rank 0 ---" in rank0, cli_job.show()
     assert "in wait_for_go" in rank0 and "time.sleep(0.1)" in rank0, cli_job.show()
     assert "in wait_for_rank_0" in rank1 and "dist.barrier()" in rank1, cli_job.show()
+
+
+# --- after every driver ---------------------------------------------------------------------
+
+
+def test_each_node_s_address_file_stays_in_its_private_temp_dir(two_hosts, report, cli_job):
+    """`ray start --temp-dir` put each node's address file in its private temp dir, not in
+    the machine-wide one that other tests and ray.init() would read."""
+    h = two_hosts
+    for host in (0, 1):
+        recorded = (h.temp_dir(host) / "ray_current_cluster").read_text().strip()
+        assert recorded == h.address
+    assert h.address not in _read(RAY_ADDRESS_FILE), f"{RAY_ADDRESS_FILE} was written"
