@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -141,20 +142,23 @@ def test_size_guard_refuses_before_connecting(processes, tmp_path):
 
 
 def test_message_passing_unchanged_under_torchrun_and_the_launcher(cluster, tmp_path):
-    proc = cli(
-        f"run --nproc 4 --per-node 2 --address {cluster.address} "
-        "examples/message_passing.py --backend=gloo",
-        cwd=ROOT,
-        tmp=tmp_path,
-    )
+    with ThreadPoolExecutor(1) as pool:  # the two runs share nothing: at once
+        under_torchrun = pool.submit(
+            run_example,
+            "message_passing.py",
+            "--backend=gloo",
+            launcher=(str(TORCHRUN), "--standalone", "--nproc_per_node=4"),
+        )
+        proc = cli(
+            f"run --nproc 4 --per-node 2 --address {cluster.address} "
+            "examples/message_passing.py --backend=gloo",
+            cwd=ROOT,
+            tmp=tmp_path,
+        )
+        torchrun = under_torchrun.result()
     assert proc.returncode == 0, show(proc)
     lines = sorted(line for line in proc.stdout.splitlines() if line.strip())
     assert lines == message_lines("[message_passing r{}] "), show(proc)
-    torchrun = run_example(
-        "message_passing.py",
-        "--backend=gloo",
-        launcher=(str(TORCHRUN), "--standalone", "--nproc_per_node=4"),
-    )
     for line in message_lines():
         assert torchrun.stdout.count(line) == 1, torchrun.stdout
 
@@ -370,18 +374,23 @@ def test_torchrun_s_contract_variables_and_record_reports(processes, tmp_path):
         found = re.findall(r"KEYS (\d) (\[.*\]) (\w+) (\w+)", stdout)
         return {rank: (json.loads(names), *flags) for rank, names, *flags in found}
 
-    theirs = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "contract.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
-    )
-    assert theirs.returncode == 0, show(theirs)
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+            check=False,
+        )
+
     # On a cluster (the session's, when it runs) ranks do not inherit the driver's variables.
     given = ["--env", f"PARENT_KEYS={env['PARENT_KEYS']}"]
-    ours = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", "--nproc-per-node", "2", *given,
-         "contract.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
-    )
+    launch = [sys.executable, "-m", "orchestrator", "run", *given]
+    with ThreadPoolExecutor(3) as pool:  # three runs that share nothing: at once
+        started = [
+            pool.submit(run, str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "contract.py"),
+            pool.submit(run, *launch, "--nproc-per-node", "2", "contract.py"),
+            pool.submit(run, *launch, "--nproc", "2", "--env", "FAIL_RANK=1", "contract.py"),
+        ]
+        theirs, ours, failed = (future.result() for future in started)
+    assert theirs.returncode == 0, show(theirs)
     assert ours.returncode == 0, show(ours)
     their_keys, our_keys = keys(theirs.stdout), keys(ours.stdout)
     assert sorted(their_keys) == sorted(our_keys) == ["0", "1"], (show(theirs), show(ours))
@@ -389,12 +398,6 @@ def test_torchrun_s_contract_variables_and_record_reports(processes, tmp_path):
         missing = set(their_keys[rank][0]) - set(our_keys[rank][0])
         assert not missing, missing  # TORCHELASTIC_ERROR_FILE, TORCH_NCCL_ASYNC_ERROR_HANDLING...
         assert our_keys[rank][1:] == ("True", "True")  # is_torchelastic_launched(); a file
-    failed = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", "--nproc", "2", *given,
-         "--env", "FAIL_RANK=1", "contract.py"],
-        cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
-    )
     assert failed.returncode == 1, show(failed)
     report = failed.stderr.split("the job failed: ", 1)[1]
     first, when, where = report.splitlines()[:3]
