@@ -89,14 +89,17 @@ class Runtime:
         assert cpus, out.stdout
         return int(head[1]), [int(head[2]), int(head[3])], claims, cpus[1]
 
-    def wait_ready(self, count: int, timeout: float = 90) -> None:
+    def wait_ready(self, count: int, cpus: str | None = None, timeout: float = 90) -> None:
+        """Wait until `count` spares are ready, none is claimed and (if given) the CPU line
+        reads `cpus`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            _, (ready, _), claims, _ = self.status()
-            if ready >= count and not claims:
+            _, (ready, _), claims, free = self.status()
+            if ready >= count and not claims and cpus in (None, free):
                 return
             time.sleep(1)
-        pytest.fail(f"the runtime did not get back to {count} ready spares: {self.status()}")
+        wanted = f"{count} ready spares" + (f" and {cpus} CPUs free" if cpus else "")
+        pytest.fail(f"the runtime did not get back to {wanted}: {self.status()}")
 
     def driver(self, *args: str) -> subprocess.Popen[str]:
         """The driver script, in its own folder beside a module; run from self.tmp."""
@@ -204,9 +207,7 @@ def test_a_fresh_script_runs_its_ranks_in_warm_spares(runtime: Runtime) -> None:
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids), "each spare serves one script only"
-    runtime.wait_ready(2)  # replaced in the background
-    *_, cpus = runtime.status()
-    assert cpus == "8 of 8"
+    runtime.wait_ready(2, cpus="8 of 8")  # replaced in the background
 
 
 def _doors_of(pids: set[int]) -> set[str]:
@@ -250,6 +251,90 @@ def test_a_sibling_container_runs_nothing_in_an_idle_spare(runtime: Runtime) -> 
     assert not marker.exists()
 
 
+# The tests below start runtimes of their own. They run here, while the module's runtime
+# starts the spares the tests above used again (one at a time, each importing torch),
+# so that the two overlap; the tests after them find their spares ready.
+
+
+@pytest.fixture
+def private_env() -> Iterator[tuple[dict[str, str], Path]]:
+    """An environment whose RAY_TMPDIR no Ray has used."""
+    tmp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    yield env, tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_bad_input_and_nothing_to_stop(private_env: tuple[dict[str, str], Path]) -> None:
+    """Bad values are named before anything starts; stop without a runtime says so."""
+    rt = Runtime(*private_env)
+    bad = rt.cli("start", "--spares", "-1")
+    assert bad.returncode == 2 and "--spares=-1" in bad.stderr, bad.stderr
+    assert not (private_env[1] / "ray").exists()  # nothing was started
+    stop = rt.cli("stop")
+    assert stop.returncode != 0 and "no local runtime is running" in stop.stderr, stop.stderr
+
+
+def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) -> None:
+    """--idle-timeout: with no script connected for that long, every process ends."""
+    rt = Runtime(*private_env)
+    started = rt.cli(
+        "start", "--spares", "1", "--port", str(_free_port()), "--idle-timeout", "3", timeout=180
+    )
+    assert started.returncode == 0, started.stdout + started.stderr
+    runtime_pid = int(re.search(r"\(pid (\d+)\)", started.stdout)[1])
+    spares = _spare_pids(private_env[1])
+    assert len(spares) == 1
+    deadline = time.monotonic() + 60
+    while _alive(runtime_pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    try:
+        assert not _alive(runtime_pid), "the idle runtime kept running"
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in spares) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in spares)
+        assert rt.cli("status").returncode == 3
+    finally:
+        if _alive(runtime_pid):
+            os.kill(runtime_pid, signal.SIGTERM)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+def test_a_private_folder_another_user_made_first_is_not_used(
+    private_env: tuple[dict[str, str], Path],
+) -> None:
+    """Another user pre-creates orchestrator-UID in the temp dir: `local start` neither
+    uses it nor dies with a traceback; its lasting files are in the user's state folder."""
+    env, tmp = private_env
+    shared = Path(tempfile.mkdtemp(prefix="sq", dir="/tmp"))
+    try:
+        shared.chmod(0o1777)
+        squat = shared / f"orchestrator-{os.getuid()}"
+        squat.mkdir(mode=0o777)
+        os.chown(squat, 65534, 65534)
+        env = {k: v for k, v in env.items() if k != "RAY_TMPDIR"}
+        env.update(TMPDIR=str(shared), XDG_STATE_HOME=str(tmp / "state"), HOME=str(tmp / "home"))
+        rt = Runtime(env, tmp)
+        port = _free_port()
+        started = rt.cli("start", "--spares", "0", "--port", str(port), timeout=180)
+        record = tmp / "state" / "orchestrator" / f"local-runtime-{port}.json"
+        try:
+            assert started.returncode == 0, started.stdout + started.stderr
+            assert "Traceback" not in started.stderr, started.stderr
+            assert f"{squat} is not this user's private folder" in started.stderr, started.stderr
+            temp_dir = json.loads(record.read_text())["temp_dir"]
+            assert Path(temp_dir).parent == shared and not Path(temp_dir).is_relative_to(squat)
+            assert not list(squat.iterdir())
+        finally:
+            stopped = rt.cli("stop")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert not record.exists()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
 def test_a_killed_script_frees_its_spares_and_cpus(runtime: Runtime) -> None:
     """SIGKILL the driver while its ranks run: the spares exit, the CPUs come back."""
     runtime.wait_ready(2)
@@ -285,9 +370,7 @@ def test_a_killed_script_frees_its_spares_and_cpus(runtime: Runtime) -> None:
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids), "spares outlived their killed driver"
-    runtime.wait_ready(2)
-    *_, cpus = runtime.status()
-    assert cpus == "8 of 8"
+    runtime.wait_ready(2, cpus="8 of 8")
 
 
 def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> None:
@@ -339,80 +422,3 @@ def test_stop_ends_every_process(runtime: Runtime) -> None:
     assert not (Path(runtime.record["temp_dir"]) / "ray_current_cluster").exists()
     state = runtime.tmp / "home" / ".local" / "state" / "orchestrator"
     assert not list(state.glob("local-runtime-*.json"))
-
-
-@pytest.fixture
-def private_env() -> Iterator[tuple[dict[str, str], Path]]:
-    """An environment whose RAY_TMPDIR no Ray has used."""
-    tmp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
-    yield env, tmp
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def test_bad_input_and_nothing_to_stop(private_env: tuple[dict[str, str], Path]) -> None:
-    """Bad values are named before anything starts; stop without a runtime says so."""
-    rt = Runtime(*private_env)
-    bad = rt.cli("start", "--spares", "-1")
-    assert bad.returncode == 2 and "--spares=-1" in bad.stderr, bad.stderr
-    assert not (private_env[1] / "ray").exists()  # nothing was started
-    stop = rt.cli("stop")
-    assert stop.returncode != 0 and "no local runtime is running" in stop.stderr, stop.stderr
-
-
-def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) -> None:
-    """--idle-timeout: with no script connected for that long, every process ends."""
-    rt = Runtime(*private_env)
-    started = rt.cli(
-        "start", "--spares", "1", "--port", str(_free_port()), "--idle-timeout", "3", timeout=180
-    )
-    assert started.returncode == 0, started.stdout + started.stderr
-    runtime_pid = int(re.search(r"\(pid (\d+)\)", started.stdout)[1])
-    spares = _spare_pids(private_env[1])
-    assert len(spares) == 1
-    deadline = time.monotonic() + 60
-    while _alive(runtime_pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    try:
-        assert not _alive(runtime_pid), "the idle runtime kept running"
-        time.sleep(2)
-        assert not any(_alive(pid) for pid in spares)
-        assert rt.cli("status").returncode == 3
-    finally:
-        if _alive(runtime_pid):
-            os.kill(runtime_pid, signal.SIGTERM)
-
-
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
-def test_a_private_folder_another_user_made_first_is_not_used(
-    private_env: tuple[dict[str, str], Path],
-) -> None:
-    """Another user pre-creates orchestrator-UID in the temp dir: `local start` neither
-    uses it nor dies with a traceback; its lasting files are in the user's state folder."""
-    env, tmp = private_env
-    shared = Path(tempfile.mkdtemp(prefix="sq", dir="/tmp"))
-    try:
-        shared.chmod(0o1777)
-        squat = shared / f"orchestrator-{os.getuid()}"
-        squat.mkdir(mode=0o777)
-        os.chown(squat, 65534, 65534)
-        env = {k: v for k, v in env.items() if k != "RAY_TMPDIR"}
-        env.update(TMPDIR=str(shared), XDG_STATE_HOME=str(tmp / "state"), HOME=str(tmp / "home"))
-        rt = Runtime(env, tmp)
-        port = _free_port()
-        started = rt.cli("start", "--spares", "0", "--port", str(port), timeout=180)
-        record = tmp / "state" / "orchestrator" / f"local-runtime-{port}.json"
-        try:
-            assert started.returncode == 0, started.stdout + started.stderr
-            assert "Traceback" not in started.stderr, started.stderr
-            assert f"{squat} is not this user's private folder" in started.stderr, started.stderr
-            temp_dir = json.loads(record.read_text())["temp_dir"]
-            assert Path(temp_dir).parent == shared and not Path(temp_dir).is_relative_to(squat)
-            assert not list(squat.iterdir())
-        finally:
-            stopped = rt.cli("stop")
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        assert not record.exists()
-    finally:
-        shutil.rmtree(shared, ignore_errors=True)
