@@ -7,12 +7,21 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from ray.util import placement_group_table
 
-from orchestrator import DistributedError, PlacementError, distribute, testing
+from orchestrator import (
+    DistributedError,
+    DistributedFunction,
+    Job,
+    PlacementError,
+    distribute,
+    testing,
+)
 from orchestrator_workers import handoff
 from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 
@@ -111,76 +120,6 @@ def test_restart_on_crash_only_and_the_earlier_attempts_in_the_error(cluster, ca
     wait_resources_back()
 
 
-def hold_then_sum(seconds: float) -> tuple[str, str]:
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    if os.environ["RESTART_COUNT"] == "0":
-        time.sleep(seconds)  # the node is removed meanwhile
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    dist.destroy_process_group()
-    import ray
-
-    return os.environ["RESTART_COUNT"], ray.get_runtime_context().get_node_id()
-
-
-def test_losing_a_node_restarts_the_job_on_the_remaining_nodes(cluster):
-    wait_resources_back()
-    cluster.add_node(num_cpus=CPUS_PER_NODE, num_gpus=GPUS_PER_NODE)
-    cluster.wait_for_nodes()
-    fn = distribute(hold_then_sum, num_replicas=4, replicas_per_node=2, max_restarts=1, name="lose")
-    job = fn.submit(120)
-    deadline = time.monotonic() + 90
-    while job.status().state != "running" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    view = testing.view(job)
-    assert view is not None
-    second_node = view.ranks[2].node_id  # ranks 2-3: never the driver's (head) node
-    victim = next(n for n in cluster.list_all_nodes() if n.node_id == second_node)
-    cluster.remove_node(victim, allow_graceful=False)
-
-    results = job.result(timeout=180)
-    assert [attempt for attempt, _ in results] == ["1"] * 4
-    assert second_node not in {node for _, node in results}
-    assert job.status().restarts == 1
-    [attempt] = job.status().failed_attempts  # said as a lost node, not a bare crash
-    assert "its node left the Ray cluster" in attempt, attempt
-    groups = [g for g in placement_group_table().values() if g["name"].startswith("lose-")]
-    assert sorted(g["state"] for g in groups) == ["CREATED", "REMOVED"]
-    fn.shutdown()
-    wait_resources_back()  # whichever node went, the session's cluster has 2 x 2 GPUs again
-
-
-def test_a_waiting_job_fails_once_a_lost_node_leaves_the_cluster_unable_to_hold_it(cluster):
-    wait_resources_back()
-    node = cluster.add_node(num_cpus=2, resources={"special": 2})
-    cluster.wait_for_nodes()
-    holder = distribute(
-        time.sleep, num_replicas=1, gpus_per_replica=0, resources_per_replica={"special": 2}
-    )
-    held = holder.submit(300)
-    deadline = time.monotonic() + 60
-    while held.status().state != "running" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    waiter = distribute(
-        os.getpid, num_replicas=1, gpus_per_replica=0, resources_per_replica={"special": 1}
-    )
-    job = waiter.submit()
-    while job.status().state != "pending" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert job.status().state == "pending"
-    cluster.remove_node(node, allow_graceful=False)
-    with pytest.raises(PlacementError, match="special"):
-        job.result(timeout=60)  # not a wait for ever
-    with pytest.raises(DistributedError):
-        held.result(timeout=60)  # its node is gone
-    holder.shutdown()
-    waiter.shutdown()
-    wait_resources_back()
-
-
 def _advance_then_join(step: str) -> tuple[float, str]:
     import torch
     import torch.distributed as dist
@@ -231,3 +170,105 @@ def test_max_restarts_restarts_a_crashed_script(cluster, tmp_path):
     assert "[flaky] attempt 1 failed: rank 1" in proc.stderr, show(proc)
     assert sorted(re.findall(r"\[flaky r(\d)\] attempt 1 done", proc.stdout)) == ["0", "1"]
     assert "attempt 0 done" not in proc.stdout
+
+
+def hold_then_sum(seconds: float) -> tuple[str, str]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if os.environ["RESTART_COUNT"] == "0":
+        time.sleep(seconds)  # the node is removed meanwhile
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    import ray
+
+    return os.environ["RESTART_COUNT"], ray.get_runtime_context().get_node_id()
+
+
+@dataclass
+class LostNodes:
+    """Two jobs, each using a node that was then lost, both nodes at the same moment."""
+
+    restarting: DistributedFunction
+    job: Job
+    second_node: str
+    """The node of the job's ranks 2-3, lost."""
+    holder: DistributedFunction
+    held: Job
+    """Holding the `special` node, lost."""
+    waiter: DistributedFunction
+    waiting: Job
+    waiting_state: str
+    """The waiting job's state just before the nodes went."""
+
+
+@pytest.fixture(scope="module")
+def lost_nodes(cluster) -> Iterator[LostNodes]:
+    """A 4-rank job with max_restarts, and a job holding the only `special` node while
+    another waits for it; then the node of the first job's ranks 2-3 and the `special`
+    node are lost together, so that the two waits for Ray to notice overlap.
+
+    Its tests come last in the module: a job left running would hold resources the
+    module's other tests wait for."""
+    wait_resources_back()
+    cluster.add_node(wait=False, num_cpus=CPUS_PER_NODE, num_gpus=GPUS_PER_NODE)
+    special = cluster.add_node(wait=False, num_cpus=2, resources={"special": 2})
+    cluster.wait_for_nodes()
+    restarting = distribute(
+        hold_then_sum, num_replicas=4, replicas_per_node=2, max_restarts=1, name="lose"
+    )
+    holder = distribute(
+        time.sleep, num_replicas=1, gpus_per_replica=0, resources_per_replica={"special": 2}
+    )
+    waiter = distribute(
+        os.getpid, num_replicas=1, gpus_per_replica=0, resources_per_replica={"special": 1}
+    )
+    try:
+        job, held = restarting.submit(120), holder.submit(300)
+        deadline = time.monotonic() + 90
+        while {job.status().state, held.status().state} != {"running"}:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        waiting = waiter.submit()
+        while waiting.status().state != "pending" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        waiting_state = waiting.status().state
+        view = testing.view(job)
+        assert view is not None
+        second_node = view.ranks[2].node_id  # ranks 2-3: never the driver's (head) node
+        victim = next(n for n in cluster.list_all_nodes() if n.node_id == second_node)
+        cluster.remove_node(victim, allow_graceful=False)
+        cluster.remove_node(special, allow_graceful=False)
+        yield LostNodes(
+            restarting, job, second_node, holder, held, waiter, waiting, waiting_state
+        )
+    finally:
+        for fn in (restarting, holder, waiter):
+            fn.shutdown()
+    wait_resources_back()  # whichever node went, the session's cluster has 2 x 2 GPUs again
+
+
+def test_losing_a_node_restarts_the_job_on_the_remaining_nodes(lost_nodes):
+    job = lost_nodes.job
+    results = job.result(timeout=180)
+    assert [attempt for attempt, _ in results] == ["1"] * 4
+    assert lost_nodes.second_node not in {node for _, node in results}
+    assert job.status().restarts == 1
+    [attempt] = job.status().failed_attempts  # said as a lost node, not a bare crash
+    assert "its node left the Ray cluster" in attempt, attempt
+    groups = [g for g in placement_group_table().values() if g["name"].startswith("lose-")]
+    assert sorted(g["state"] for g in groups) == ["CREATED", "REMOVED"]
+    lost_nodes.restarting.shutdown()
+
+
+def test_a_waiting_job_fails_once_a_lost_node_leaves_the_cluster_unable_to_hold_it(lost_nodes):
+    assert lost_nodes.waiting_state == "pending"
+    with pytest.raises(PlacementError, match="special"):
+        lost_nodes.waiting.result(timeout=60)  # not a wait for ever
+    with pytest.raises(DistributedError):
+        lost_nodes.held.result(timeout=60)  # its node is gone
+    lost_nodes.holder.shutdown()
+    lost_nodes.waiter.shutdown()
