@@ -27,7 +27,7 @@ RAY_FIXTURES = frozenset(
     {
         "cluster",  # this file's session cluster, and fixtures built on it
         "processes",  # a test that starts processes of its own
-        "two_hosts",  # test_two_hosts: network namespaces
+        "two_hosts",  # test_bare_nodes: two hosts in network namespaces
         "runtime",  # test_local_runtime: `orchestrator local start`
         "private_env",
         "fresh_env",  # test_embedded, test_inheritance: a private Ray temp dir for a script
