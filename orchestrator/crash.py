@@ -6,7 +6,7 @@ import re
 import time
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.connect import cluster, rankside
@@ -32,7 +32,10 @@ def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
             scheduling_strategy=affinity, runtime_env=rankside.runtime_env(info.node_id, None)
         ).remote(info.tail_path, _LEFTOVER_WAIT_S)
         done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
-        leftovers = ray.get(done[0]) if done else None
+        try:
+            leftovers = ray.get(done[0]) if done else None
+        except RayError:  # its node is gone meanwhile (unschedulable there): nothing kept
+            leftovers = None
     unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
     last = max([shown, *(seq for seq, _, _ in unseen)])
     return [OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen]
