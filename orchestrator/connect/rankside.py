@@ -78,9 +78,15 @@ def content() -> str:
     return inventory.content_id(str(_folder()))
 
 
+@functools.cache
+def _here() -> dict[str, str | None]:
+    """What this driver has, as `inventory.read` says of a node (read once)."""
+    return inventory.read()
+
+
 def driver_torch() -> str | None:
     """The torch version this driver has, as compared with the nodes'."""
-    return _driver_torch if _driver_torch is not None else inventory.read()["torch"]
+    return _driver_torch if _driver_torch is not None else _here()["torch"]
 
 
 def set_driver_torch(version: str | None) -> None:
@@ -103,8 +109,8 @@ def needs_nothing() -> bool:
 def check_nodes(node_ids: Collection[str], job: str) -> None:
     """Read what each of `node_ids` has, once per node; before any rank starts there.
 
-    Raises ClusterMismatchError where a node lacks torch or cloudpickle, or runs another
-    Python; warns (once per node) where its torch differs from the driver's.
+    Raises ClusterMismatchError where a node lacks torch or cloudpickle (Ray itself refuses
+    another Python or Ray); warns (once per node) where its torch differs from the driver's.
     """
     global _uri  # noqa: PLW0603 - one driver per process
     if needs_nothing():
@@ -142,7 +148,7 @@ def _read(node_ids: list[str]) -> dict[str, NodeFacts]:
 
 def _check(found: list[NodeFacts], job: str) -> None:
     """Raise where a node cannot run ranks; warn where its torch differs from ours."""
-    here = inventory.read()
+    here = _here()
     for facts in found:
         missing = [name for name in ("torch", "cloudpickle") if getattr(facts, name) is None]
         if missing:
