@@ -326,3 +326,35 @@ def upload_module(folder: Path) -> str:
     finally:
         quiet.setLevel(level)
     return uri
+
+
+KV_NAMESPACE = "orchestrator"
+"""Our keys in the cluster's internal key-value store (the GCS's; Ray keeps its own apart)."""
+
+
+def kv_get(key: str) -> bytes | None:
+    """The value of `key` in the connected cluster's key-value store; None where unset.
+
+    Degraded: None (the caller works it out afresh).
+    """
+    try:
+        from ray.experimental import internal_kv
+
+        if not internal_kv._internal_kv_initialized():
+            return None
+        value = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+    except (ImportError, AttributeError, TypeError) as exc:
+        _fell_back("kv", exc)
+        return None
+    return value if isinstance(value, bytes) else None
+
+
+def kv_put(key: str, value: bytes) -> None:
+    """Set `key` in the connected cluster's key-value store. Degraded: nothing is kept."""
+    try:
+        from ray.experimental import internal_kv
+
+        if internal_kv._internal_kv_initialized():
+            internal_kv._internal_kv_put(key, value, overwrite=True, namespace=KV_NAMESPACE)
+    except (ImportError, AttributeError, TypeError) as exc:
+        _fell_back("kv", exc)

@@ -64,3 +64,8 @@ def ship_rank_side() -> Iterator[None]:
         yield
     finally:
         rankside.set_always(False)
+
+
+def nodes_read() -> int:
+    """How many nodes this process has asked, by a task, what they have (see rankside)."""
+    return rankside.nodes_read()

@@ -5,7 +5,8 @@ whose pickled spec, if unpickled, writes a marker file. Run by tests/test_trust.
 
 argv: the marker's path, how many seconds to keep each connection open, and optionally for
 how many seconds to go on finding and attacking doors (a rank replaced meanwhile gets a new
-one). Prints how many doors it reached and what each answered ("served", "hung up").
+one). Prints how many doors it reached and what each answered ("served", "hung up", or
+"no answer" from a process that never read it, such as another test's stopped rank).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def attack(name: str, frame: bytes, hold_s: float) -> None:
             answer = sock.recv(1)
         except (ConnectionResetError, BrokenPipeError):  # closed with our bytes unread
             answer = b""
+        except TimeoutError:  # a process that never read it: another test's, stopped
+            print(f"{name} no answer", flush=True)
+            return
         print(f"{name} {'served' if answer else 'hung up'}", flush=True)
 
 

@@ -103,6 +103,16 @@ def test_a_package_is_uploaded_once_and_a_function_shipped_by_value(cluster, tmp
     assert not {"upload_module", "by_value"} & set(compat.degraded())
 
 
+def test_the_cluster_keeps_what_a_driver_puts(cluster):
+    key = f"test-key-{os.getpid()}"
+    assert compat.kv_get(key) is None
+    compat.kv_put(key, b"kept")
+    assert compat.kv_get(key) == b"kept"
+    compat.kv_put(key, b"again")  # overwritten, not kept first
+    assert compat.kv_get(key) == b"again"
+    assert "kv" not in compat.degraded()
+
+
 def test_torch_group_counter_is_where_the_reset_expects_it():
     rank_compat.reset_group_counter()
     assert "reset_group_counter" not in rank_compat.degraded()

@@ -14,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ray
+
+from orchestrator import _ray_compat
+from orchestrator.connect import rankside
 from tests.helpers import cli_env, show, write
 
 DRIVER = """\
@@ -43,10 +47,18 @@ with testing.ship_rank_side():
         runtime_env={"py_modules": [call_uri], "env_vars": {"FROM_THE_CALL": "yes"}},
     )()
 print("FOUND " + json.dumps(found), flush=True)
+print("READ", testing.nodes_read(), flush=True)
 """
 
 
 def test_the_user_s_runtime_env_and_ours_reach_every_rank(cluster, tmp_path: Path):
+    """Ours and the user's py_modules reach every rank; a second driver asks no node what
+    it has, since the first kept it in the cluster."""
+    nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+    rankside.check_nodes(nodes, "first-driver")  # this process is the first driver here
+    for node in nodes:
+        kept = json.loads(_ray_compat.kv_get(f"node-facts/{node}") or b"{}")
+        assert kept.get("node_id") == node and kept.get("rank_side") == rankside.content(), kept
     job = write(tmp_path / "job", {"from_the_job.py": "WHO = 'job'\n"}) / "from_the_job.py"
     call = write(tmp_path / "call", {"from_the_call/__init__.py": "WHO = 'call'\n"})
     call = call / "from_the_call"
@@ -67,3 +79,4 @@ def test_the_user_s_runtime_env_and_ours_reach_every_rank(cluster, tmp_path: Pat
         shipped = Path(rank["ours"])
         assert "py_modules_files" in shipped.parts, rank  # the driver's copy, as shipped
         assert shipped.parent.name == "orchestrator_workers", rank
+    assert "READ 0" in proc.stdout.splitlines(), show(proc)

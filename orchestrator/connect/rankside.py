@@ -9,15 +9,21 @@ uploaded to the cluster once per content and unpacked once per node, ahead of an
 installed on the node's path. The embedded instance and the local runtime run on this
 machine from this interpreter: nothing is read or added there.
 
+What a node said is kept in the cluster's key-value store under its node id, so a second
+driver (another script, the notebook after a restart) starts no task to learn it again. A
+node's id is new each time its Ray starts, so what is kept goes with the node.
+
 A node whose torch differs from the driver's (the local build tag aside: a CPU laptop
 drives CUDA nodes) is named in one warning, once per node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import ipaddress
+import json
 import shutil
 import threading
 from collections.abc import Collection, Mapping
@@ -55,6 +61,8 @@ class NodeFacts:
 _lock = threading.Lock()
 _facts: dict[str, NodeFacts] = {}
 """By node id: every node read so far (nodes join later: each is read when first used)."""
+_asked = 0
+"""How many nodes this process read by a task (not from what an earlier driver kept)."""
 _uri: str | None = None
 """Our rank side's URI on the cluster: checked (uploaded where missing) at each pool's start,
 since a cluster restarted at the same address has none."""
@@ -101,6 +109,11 @@ def set_always(always: bool) -> None:
     _always = always
 
 
+def nodes_read() -> int:
+    """How many nodes this process has read by a task (a test hook's count)."""
+    return _asked
+
+
 def needs_nothing() -> bool:
     """Whether every node has this driver's rank side: Ray runs from this interpreter."""
     return cluster.is_embedded() or cluster.is_local_runtime()
@@ -112,19 +125,45 @@ def check_nodes(node_ids: Collection[str], job: str) -> None:
     Raises ClusterMismatchError where a node lacks torch or cloudpickle (Ray itself refuses
     another Python or Ray); warns (once per node) where its torch differs from the driver's.
     """
-    global _uri  # noqa: PLW0603 - one driver per process
+    global _uri, _asked  # noqa: PLW0603 - one driver per process
     if needs_nothing():
         return
     with _lock:
         unread = sorted(set(node_ids) - _facts.keys())
-        found = _read(unread) if unread else {}
+        found = _kept(unread)
+        read = _read([node for node in unread if node not in found])
+        _asked += len(read)
+        for facts in read.values():
+            _ray_compat.kv_put(_key(facts.node_id), json.dumps(dataclasses.asdict(facts)).encode())
+        found.update(read)
         _facts.update(found)
         if any(_lacks(_facts[node]) for node in node_ids):
             _uri = _ray_compat.upload_module(_stage())
     _check(list(found.values()), job)
 
 
+def _key(node_id: str) -> str:
+    """Where a node's facts are kept in the cluster's key-value store."""
+    return f"node-facts/{node_id}"
+
+
+def _kept(node_ids: list[str]) -> dict[str, NodeFacts]:
+    """What an earlier driver read of `node_ids` and kept in the cluster (where it did)."""
+    kept = {}
+    for node in node_ids:
+        value = _ray_compat.kv_get(_key(node))
+        try:
+            facts = NodeFacts(**json.loads(value)) if value else None
+        except (ValueError, TypeError):  # another version's record: read the node again
+            facts = None
+        if facts is not None and facts.node_id == node:
+            kept[node] = facts
+    return kept
+
+
 def _read(node_ids: list[str]) -> dict[str, NodeFacts]:
+    if not node_ids:
+        return {}
     ips = {node.node_id: node.ip for node in cluster.nodes()}
     read = ray.remote(num_cpus=0, max_retries=0)(_ray_compat.by_value(inventory.read))
     refs = {
