@@ -3,11 +3,11 @@
     python -m benchmarks.bench_rankside [--nodes 2,4] [--repeats 5] [--fresh 3]
 
 A `ray.cluster_utils.Cluster` of N nodes on this machine (2 CPUs each), one rank per node,
-gloo. "shipped": `testing.ship_rank_side()`, so every actor and task gets the driver's
-copy of `orchestrator_workers` through `py_modules`, exactly as on a node without the
+gloo. "shipped": `testing.ship_rank_side()`, so every actor and task carries the driver's
+copy of `orchestrator_workers` (connect/bootstrap.py), exactly as on a node without the
 package; "installed": the nodes' own copy (this venv's). The two alternate; medians:
 
-- first call, fresh cluster: new nodes, so the package is uploaded, fetched and unpacked
+- first call, fresh cluster: new nodes, so the archive is put, fetched and unpacked
   on each (`--fresh` clusters per mode);
 - cold start: a new pool's first call on a cluster that has the package cached;
 - restart: a call whose rank 1 dies once, with max_restarts=1 (a new actor replaces it);

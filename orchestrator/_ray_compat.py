@@ -293,41 +293,6 @@ def by_value(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def upload_module(folder: Path) -> str:
-    """Upload `folder` (a package, shipped under its own name) to the connected cluster's
-    GCS once per content; the URI that Ray's `py_modules` takes.
-
-    Degraded: the folder's path, which Ray hashes and uploads at each actor's start.
-    """
-    try:
-        from ray._private.runtime_env import packaging
-
-        uri_for, upload = packaging.get_uri_for_directory, packaging.upload_package_if_needed
-        if not _has_parameters(uri_for, "directory", "include_gitignore") or not _has_parameters(
-            upload, "pkg_uri", "base_directory", "module_path", "include_parent_dir"
-        ):
-            raise AttributeError("packaging's upload functions changed")
-    except (ImportError, AttributeError) as exc:
-        _fell_back("upload_module", exc)
-        return str(folder)
-    uri = uri_for(str(folder), include_gitignore=False)
-    quiet = logging.getLogger(packaging.__name__)  # "Creating a file package ...": Ray's own
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
-    try:
-        upload(
-            uri,
-            str(folder.parent),
-            str(folder),
-            include_gitignore=False,
-            include_parent_dir=True,
-            logger=quiet,
-        )
-    finally:
-        quiet.setLevel(level)
-    return uri
-
-
 KV_NAMESPACE = "orchestrator"
 """Our keys in the cluster's internal key-value store (the GCS's; Ray keeps its own apart)."""
 

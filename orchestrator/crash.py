@@ -7,7 +7,6 @@ import time
 
 import ray
 from ray.exceptions import RayActorError, RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.connect import cluster, rankside
 from orchestrator.errors import CRASH
@@ -16,7 +15,6 @@ from orchestrator_workers.tail import read_tail
 
 _LEFTOVER_WAIT_S = 0.5
 """How long to wait for a dead rank's keeper process to save its unread output."""
-_remote_read_tail = ray.remote(num_cpus=0)(read_tail)
 
 
 def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
@@ -27,10 +25,7 @@ def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
     if info.node_id == ray.get_runtime_context().get_node_id():
         leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
     else:
-        affinity = NodeAffinitySchedulingStrategy(info.node_id, soft=False)
-        ref = _remote_read_tail.options(
-            scheduling_strategy=affinity, runtime_env=rankside.runtime_env(info.node_id, None)
-        ).remote(info.tail_path, _LEFTOVER_WAIT_S)
+        ref = rankside.task(info.node_id, read_tail, info.tail_path, _LEFTOVER_WAIT_S)
         done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
         try:
             leftovers = ray.get(done[0]) if done else None

@@ -24,12 +24,10 @@ from orchestrator.errors import PlacementTimeoutError, StopRequested
 from orchestrator.placement import Request
 from orchestrator.show import messages, notices, text
 from orchestrator_workers import environment, handoff
-from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
 from orchestrator_workers.environment import order_devices
 from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec, RemoteNode
 from orchestrator_workers.states import State
 
-_RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)  # type: ignore[call-overload]  # Ray's stubs omit this documented option
 _WAIT_NOTICE_S = 1.0
 """A request not placed within this long is announced on the console."""
 _RECHECK_S = 2.0
@@ -223,17 +221,16 @@ class Pool:
         strategy = PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=self._bundles[rank]
         )
-        return _RemoteRank.options(
+        remote, carry = rankside.rank_actor(self._bundle_nodes[self._bundles[rank]])
+        return remote.options(
             num_cpus=per_replica.get("CPU", 0),
             num_gpus=per_replica.get("GPU", 0),
             resources={k: v for k, v in per_replica.items() if k not in ("CPU", "GPU")},
             scheduling_strategy=strategy,
-            runtime_env=rankside.runtime_env(
-                self._bundle_nodes[self._bundles[rank]], self._runtime_env
-            ),
+            runtime_env=self._runtime_env,
             name=actor_name(self.name, self.id, rank, attempt),
             namespace=ACTOR_NAMESPACE,
-        ).remote(self.name, rank, dict(self._env), preload_torch=self._preload_torch)
+        ).remote(*carry, self.name, rank, dict(self._env), preload_torch=self._preload_torch)
 
     def _infos(self, ranks: Iterable[int]) -> list[NodeInfo]:
         infos: list[NodeInfo] = self._get([self.actors[rank].info.remote() for rank in ranks])

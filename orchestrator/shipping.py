@@ -19,7 +19,6 @@ from typing import Any
 
 import cloudpickle
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator import _ray_compat
 from orchestrator.connect import rankside
@@ -54,6 +53,8 @@ FORGET_WAIT_S = 5.0
 """After a failure, how long to wait for stopped ranks to be gone before cleaning up."""
 _INLINE_BYTES = 64 * 1024
 """Payloads up to this size are sent with each rank's task instead of through ray.put."""
+
+
 def ship(shipped: Payload, *, uses_torch: bool = True) -> Shipment:
     """Make a payload ready to send to any number of ranks, now (a snapshot of its buffers).
 
@@ -85,15 +86,9 @@ def forget_buffers(share_key: str, nodes: list[str], pending: list[ray.ObjectRef
                 if node == here:
                     sharing.remove(share_key)
                 else:
-                    affinity = NodeAffinitySchedulingStrategy(node, soft=False)
-                    _remote_remove.options(
-                        scheduling_strategy=affinity, runtime_env=rankside.runtime_env(node, None)
-                    ).remote(share_key)
+                    rankside.task(node, sharing.remove, share_key)
 
     threading.Thread(target=forget, name="forget buffers", daemon=True).start()
-
-
-_remote_remove = ray.remote(num_cpus=0)(sharing.remove)
 
 
 def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:

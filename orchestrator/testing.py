@@ -57,8 +57,8 @@ def straggler_thresholds(*, min_looks: int, confirm_s: float) -> Iterator[None]:
 
 @contextlib.contextmanager
 def ship_rank_side() -> Iterator[None]:
-    """Within: new actors and tasks get the driver's rank side through `py_modules` on every
-    node, as on nodes without this package (what that costs, beside installed)."""
+    """Within: new actors and tasks carry the driver's rank side to every node, as on nodes
+    without this package (what that costs, beside installed)."""
     rankside.set_always(True)
     try:
         yield

@@ -52,8 +52,8 @@ DRIVER_TIMEOUT_S = 480
 CLI_READY_S = 120
 CLI_TIMEOUT_S = 60
 FAKE_TORCH = "2.0.0"  # bare_nodes_driver.FAKE_TORCH
-SHIPPED = ("runtime_resources", "py_modules_files")
-"""Where Ray unpacks a runtime_env's py_modules on a node: in every such path."""
+SHIPPED = ("/orchestrator-", "/rank-side-")
+"""Where the driver's rank side is unpacked on a node (bootstrap): in every such path."""
 CHECK = """\
 import importlib, json
 found = {}
@@ -472,7 +472,7 @@ total = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(total)
 print(f"rank={os.environ['RANK']} local_rank={os.environ['LOCAL_RANK']} "
       f"world={os.environ['WORLD_SIZE']} sum={total.item():g} "
-      f"shipped={'py_modules_files' in orchestrator_workers.__file__}", flush=True)
+      f"shipped={'/rank-side-' in orchestrator_workers.__file__}", flush=True)
 print("ready", flush=True)
 if dist.get_rank() == 0:
     wait_for_go()

@@ -60,6 +60,28 @@ def test_partial_line_is_shown_without_waiting_for_its_newline(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_a_line_cut_short_is_shown_once_and_filed_whole(capsys, tmp_path):
+    """In a flood, a chunk may end mid-line and its rest come after the partial delay: the
+    start is shown, then only the rest, and the log file has the line once, whole."""
+    chunk = _Seq()
+    console = Console("j", 1, log_dir=tmp_path)
+    console.write(0, [chunk("stdout", "line 1\nline 2 cut sh")], now=0.0)
+    console.tick(now=PARTIAL_DELAY_S)
+    console.write(0, [chunk("stdout", "ort\nline 3\nPassword: ")], now=1.0)
+    console.tick(now=1.0 + PARTIAL_DELAY_S)
+    console.write(0, [chunk("stdout", "\n")], now=2.0)  # its end, nothing more
+    console.flush()
+    console.close_logs()
+    assert capsys.readouterr().out.splitlines() == [
+        "[j r0] line 1",
+        "[j r0] line 2 cut sh",
+        "[j r0] ort",
+        "[j r0] line 3",
+        "[j r0] Password: ",
+    ]
+    assert (tmp_path / "rank-0.log").read_text() == "line 1\nline 2 cut short\nline 3\nPassword: \n"
+
+
 def test_carriage_return_progress_bar_gives_few_lines(capsys):
     chunk = _Seq()
     console = Console("j", 1)

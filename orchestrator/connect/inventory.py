@@ -1,30 +1,19 @@
 """What a node has: Python, Ray, torch, cloudpickle, and our rank side at which content.
 
 `read` runs on the node as a Ray task before anything of ours is there, so this module
-imports nothing but the standard library, and Ray ships it by value (see
-`rankside.check_nodes`). `content_id` is the same on both sides: the driver compares its
-own rank side's with what a node has installed.
+imports nothing but the standard library and `bootstrap` (standard library only too), and
+Ray ships both by value (see `rankside`). `content_id` is the same on both sides: the
+driver compares its own rank side's with what a node has installed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
-import os
 import platform
 
-RANK_SIDE = "orchestrator_workers"
-
-
-def content_id(folder: str) -> str:
-    """The rank side's content in `folder`: every .py file's name and bytes."""
-    digest = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as source:
-                digest.update(name.encode() + b"\0" + source.read())
-    return digest.hexdigest()[:16]
+from orchestrator.connect.bootstrap import PACKAGE as RANK_SIDE
+from orchestrator.connect.bootstrap import content_id
 
 
 def _version(distribution: str) -> str | None:

@@ -4,10 +4,10 @@ A node of a cluster reached by address needs only Ray, torch and cloudpickle, an
 driver's Python. The first time a pool is placed on a node, a task shipped by value
 (`inventory.read`) says what the node has. Where it has no `orchestrator_workers`, or
 another content of it (an older install), every actor and task the product starts there
-gets the driver's copy through Ray's `py_modules`: a folder named `orchestrator_workers`,
-uploaded to the cluster once per content and unpacked once per node, ahead of anything
-installed on the node's path. The embedded instance and the local runtime run on this
-machine from this interpreter: nothing is read or added there.
+carries the driver's copy (`carried`): an archive put once in Ray's object store, unpacked
+once per content on each node and put ahead of anything installed there (see
+`bootstrap`). The user's own `runtime_env` is left as given. The embedded instance and
+the local runtime run on this machine from this interpreter: nothing is read or added there.
 
 What a node said is kept in the cluster's key-value store under its node id, so a second
 driver (another script, the notebook after a restart) starts no task to learn it again. A
@@ -24,9 +24,8 @@ import functools
 import importlib.util
 import ipaddress
 import json
-import shutil
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator import _ray_compat
-from orchestrator.connect import cluster, inventory
+from orchestrator.connect import bootstrap, cluster, inventory
 from orchestrator.errors import ClusterMismatchError
 from orchestrator.show import messages
-from orchestrator_workers import private
+from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
 
 READ_TIMEOUT_S = 120.0
 """How long a node may take to answer what it has (a fresh node starts a worker first)."""
@@ -58,14 +57,24 @@ class NodeFacts:
     """Its own `orchestrator_workers`' content id; None where it has none."""
 
 
+# Both run on nodes that may have nothing of ours: Ray's pickler ships them by value.
+_ray_compat.by_value(bootstrap.call)
+_ray_compat.by_value(inventory.read)
+
+_RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)  # type: ignore[call-overload]  # Ray's stubs omit this documented option
+_RemoteShell = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(  # type: ignore[call-overload]
+    bootstrap.shell(RankActor, RankActor.__module__.removeprefix(f"{inventory.RANK_SIDE}."))
+)
+"""A rank on a node that lacks our rank side, or has another: it brings the driver's first."""
+
 _lock = threading.Lock()
 _facts: dict[str, NodeFacts] = {}
 """By node id: every node read so far (nodes join later: each is read when first used)."""
 _asked = 0
 """How many nodes this process read by a task (not from what an earlier driver kept)."""
-_uri: str | None = None
-"""Our rank side's URI on the cluster: checked (uploaded where missing) at each pool's start,
-since a cluster restarted at the same address has none."""
+_archive: tuple[str, ray.ObjectRef] | None = None
+"""Our rank side's archive in the object store, with the driver's connection (its node and
+Ray job) that put it there: a new connection puts it again."""
 _driver_torch: str | None = None
 """The torch version the driver compares with; None: its installed one (a test hook)."""
 _always = False
@@ -125,7 +134,7 @@ def check_nodes(node_ids: Collection[str], job: str) -> None:
     Raises ClusterMismatchError where a node lacks torch or cloudpickle (Ray itself refuses
     another Python or Ray); warns (once per node) where its torch differs from the driver's.
     """
-    global _uri, _asked  # noqa: PLW0603 - one driver per process
+    global _asked  # noqa: PLW0603 - one driver per process
     if needs_nothing():
         return
     with _lock:
@@ -137,8 +146,6 @@ def check_nodes(node_ids: Collection[str], job: str) -> None:
             _ray_compat.kv_put(_key(facts.node_id), json.dumps(dataclasses.asdict(facts)).encode())
         found.update(read)
         _facts.update(found)
-        if any(_lacks(_facts[node]) for node in node_ids):
-            _uri = _ray_compat.upload_module(_stage())
     _check(list(found.values()), job)
 
 
@@ -165,7 +172,7 @@ def _read(node_ids: list[str]) -> dict[str, NodeFacts]:
     if not node_ids:
         return {}
     ips = {node.node_id: node.ip for node in cluster.nodes()}
-    read = ray.remote(num_cpus=0, max_retries=0)(_ray_compat.by_value(inventory.read))
+    read = ray.remote(num_cpus=0, max_retries=0)(inventory.read)
     refs = {
         node: read.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
@@ -179,10 +186,8 @@ def _read(node_ids: list[str]) -> dict[str, NodeFacts]:
             f"no answer within {READ_TIMEOUT_S:g} s from node {', '.join(late)} to what "
             "Python, Ray and torch it has: see `ray status` and the node's raylet log"
         )
-    return {
-        node: NodeFacts(node_id=node, ip=ips.get(node, node), **ray.get(ref))
-        for node, ref in refs.items()
-    }
+    said: dict[str, dict[str, Any]] = {node: ray.get(ref) for node, ref in refs.items()}
+    return {node: NodeFacts(node_id=node, ip=ips.get(node, node), **said[node]) for node in said}
 
 
 def _check(found: list[NodeFacts], job: str) -> None:
@@ -227,35 +232,49 @@ def _release(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def runtime_env(node_id: str, given: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The runtime_env of an actor or task on `node_id`: `given`, and where the node lacks
-    our rank side (or has another), ours in `py_modules`, after the job's and `given`'s."""
+def carried(node_id: str) -> tuple[Any, ...]:
+    """What an actor's or task's arguments start with on `node_id`: nothing where the node
+    has our rank side; else our archive and its content id, for `bootstrap` to unpack."""
+    global _archive  # noqa: PLW0603 - one driver per process
     facts = _facts.get(node_id)
-    if facts is None or not _lacks(facts) or _uri is None:
-        return dict(given) if given else None
-    job_modules = list(ray.get_runtime_context().runtime_env.get("py_modules") or [])
-    # An actor's py_modules replaces the job's (Ray merges runtime_envs per field).
-    modules = [*job_modules, *((given or {}).get("py_modules") or []), _uri]
-    return {**(given or {}), "py_modules": list(dict.fromkeys(str(m) for m in modules))}
+    if facts is None or not _lacks(facts):
+        return ()
+    with _lock:
+        here = ray.get_runtime_context()
+        job = f"{here.get_node_id()}/{here.get_job_id()}"  # job ids start anew per cluster
+        if _archive is None or _archive[0] != job:
+            _archive = (job, ray.put(bootstrap.archive(str(_folder()))))
+        return (_archive[1], content())
+
+
+def rank_actor(node_id: str) -> tuple[Any, tuple[Any, ...]]:
+    """The actor class of a rank on `node_id`, and what its arguments start with: the rank
+    itself where the node has our rank side; else a shell that brings ours first."""
+    carry = carried(node_id)
+    return (_RemoteShell if carry else _RemoteRank), carry
+
+
+def task(node_id: str, function: Callable[..., Any], *args: Any) -> ray.ObjectRef:
+    """`function(*args)`, a function of our rank side, as a task on `node_id` (carrying our
+    rank side there where the node lacks it)."""
+    affinity = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    carry = carried(node_id)
+    if not carry:
+        return _remote(function).options(scheduling_strategy=affinity).remote(*args)
+    module = function.__module__.removeprefix(f"{inventory.RANK_SIDE}.")
+    return (
+        _remote(bootstrap.call)
+        .options(scheduling_strategy=affinity)
+        .remote(*carry, module, function.__name__, *args)
+    )
+
+
+@functools.cache
+def _remote(function: Callable[..., Any]) -> Any:
+    """`function` as a Ray task that takes no CPU (made once: Ray exports it once)."""
+    return ray.remote(num_cpus=0)(function)
 
 
 def _lacks(facts: NodeFacts) -> bool:
     """Whether a node needs ours brought: it has none, or another content."""
     return facts.rank_side != content() or _always
-
-
-def _stage() -> Path:
-    """A folder named `orchestrator_workers` holding our rank side's files: Ray ships a
-    folder under its own name, and ours is `workers/` in a source tree."""
-    folder = private.folder() / f"rank-side-{content()}" / inventory.RANK_SIDE
-    if not folder.is_dir():
-        staging = folder.parent.with_name(f"{folder.parent.name}.{threading.get_ident()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(
-            _folder(), staging / inventory.RANK_SIDE, ignore=shutil.ignore_patterns("__pycache__")
-        )
-        try:
-            staging.rename(folder.parent)
-        except OSError:  # another thread or process of ours staged it first
-            shutil.rmtree(staging, ignore_errors=True)
-    return folder

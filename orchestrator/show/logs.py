@@ -104,7 +104,13 @@ class Console:
             text = state.pending + state.decoder.decode(chunk.data)
             *lines, rest = text.split("\n")
             if lines:
-                self._emit(rank, chunk.stream, [_rendered(line) for line in lines], now)
+                rendered = [_rendered(line) for line in lines]
+                self._log(rank, rendered)
+                if state.shown and rendered[0].startswith(state.shown):
+                    # Its start was shown already (a line cut short): show only the rest.
+                    rendered[0] = rendered[0][len(state.shown) :]
+                    rendered = rendered if rendered[0] else rendered[1:]
+                self._emit(rank, chunk.stream, rendered, now)
                 state.shown = ""
                 state.due = None
             state.pending = rest[rest.rfind("\r", 0, len(rest.rstrip("\r"))) + 1 :]
@@ -136,6 +142,8 @@ class Console:
         now = time.monotonic()
         for (rank, stream), state in sorted(self._streams.items()):
             text = _rendered(state.pending)
+            if text:
+                self._log(rank, [text])
             if text and text != state.shown:
                 self._emit(rank, stream, [text], now)
             state.pending, state.shown, state.due = "", "", None
@@ -179,15 +187,20 @@ class Console:
             self._files[rank] = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed by close_logs
         return self._files[rank]
 
+    def _log(self, rank: int, lines: list[str]) -> None:
+        """Write `rank`'s whole `lines` into its log file (a line cut short goes in whole,
+        once, when it ends)."""
+        lines = [line for line in lines if not line.startswith(_RAY_MARKERS)]
+        if self.log_dir is not None and lines:
+            self._file(rank).write("".join(f"{line}\n" for line in lines))
+
     def _emit(self, rank: int, stream: str, lines: list[str], now: float) -> None:
-        """File `lines` of `rank` at once; show them, or hand them to the folder."""
+        """Show `rank`'s `lines` at once, or hand them to the folder."""
         lines = [line for line in lines if not line.startswith(_RAY_MARKERS)]
         if not lines:
             return
         self.last_lines[rank] = lines[-1]
         self.last_times[rank] = now
-        if self.log_dir is not None:
-            self._file(rank).write("".join(f"{line}\n" for line in lines))
         if self.show is not None and rank not in self.show:
             return
         if self.folder is None:

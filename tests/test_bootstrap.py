@@ -1,0 +1,80 @@
+"""What runs first on a node without our rank side: the archive, unpacked once in this user's
+own folder and put first on the path; a shell that builds the real rank and forwards to it.
+(On real nodes without the package: tests/test_bare_nodes.py.)"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+import orchestrator_workers
+from orchestrator.connect import bootstrap, inventory, rankside
+from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
+
+
+@pytest.fixture
+def node_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A node's temp dir of this test's own; the path and PYTHONPATH restored after."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/of/the/user")
+    yield tmp_path
+
+
+def _archive() -> bytes:
+    return bootstrap.archive(str(Path(orchestrator_workers.__file__).parent))
+
+
+def test_the_archive_is_unpacked_once_in_this_user_s_folder_and_put_first(node_temp, monkeypatch):
+    monkeypatch.delitem(sys.modules, "orchestrator_workers")  # a fresh worker has none
+    folder = bootstrap.ensure(_archive(), rankside.content())
+    own = node_temp / f"orchestrator-{os.getuid()}"
+    assert folder == str(own / f"rank-side-{rankside.content()}")
+    assert os.stat(own).st_mode & 0o777 == 0o700
+    unpacked = Path(folder) / "orchestrator_workers"
+    assert inventory.content_id(str(unpacked)) == rankside.content()  # every file, as sent
+    assert sys.path[0] == folder
+    assert os.environ["PYTHONPATH"] == f"{folder}:/somewhere/of/the/user"  # for its children
+    (unpacked / "marker").write_text("kept")
+    assert bootstrap.ensure(b"not read again", rankside.content()) == folder  # once per content
+    assert (unpacked / "marker").exists() and sys.path.count(folder) == 1
+
+
+def test_a_folder_another_user_could_write_in_is_refused(node_temp, monkeypatch):
+    monkeypatch.delitem(sys.modules, "orchestrator_workers")
+    shared = node_temp / f"orchestrator-{os.getuid()}"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match=f"{shared} is not this user's private folder"):
+        bootstrap.ensure(_archive(), rankside.content())
+    assert not list(shared.iterdir())
+
+
+def test_a_copy_already_imported_is_used_if_the_same_else_named(node_temp, monkeypatch):
+    """Ray reuses a task's worker: one may have imported a copy of ours before."""
+    same = bootstrap.ensure(_archive(), rankside.content())  # this process's own copy
+    assert same == str(Path(orchestrator_workers.__file__).parent.parent)
+    other = node_temp / "site" / "orchestrator_workers"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("OLDER = True\n")
+    older = types.ModuleType("orchestrator_workers")
+    older.__file__ = str(other / "__init__.py")
+    monkeypatch.setitem(sys.modules, "orchestrator_workers", older)
+    with pytest.raises(ImportError, match=f"imported another orchestrator_workers \\({other}"):
+        bootstrap.ensure(_archive(), rankside.content())
+
+
+def test_the_shell_has_the_rank_s_methods_and_their_ray_options():
+    shell = bootstrap.shell(RankActor, "actor")
+    public = {name for name in vars(RankActor) if not name.startswith("_")}
+    assert public and public <= set(vars(shell))
+    assert shell.drain.__ray_concurrency_group__ == RankActor.drain.__ray_concurrency_group__
+    assert shell.run_node.__ray_concurrency_group__ == "node"
+    ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(shell)  # Ray takes it as an actor class
