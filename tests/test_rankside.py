@@ -28,10 +28,15 @@ from orchestrator import distribute, testing
 ray.init(address=sys.argv[1], runtime_env={"py_modules": [sys.argv[2]]}, log_to_driver=False)
 
 def where():
-    import os
+    import os, subprocess
     import from_the_job, orchestrator_workers
+    child = subprocess.run(  # a data loader's worker, a tool the rank starts: the same copy
+        [sys.executable, "-c", "import orchestrator_workers; print(orchestrator_workers.__file__)"],
+        capture_output=True, text=True, check=True,
+    )
     return {
         "ours": orchestrator_workers.__file__,
+        "child": child.stdout.strip(),
         "job": from_the_job.WHO,
         "variable": os.environ.get("FROM_THE_CALL"),
     }
@@ -71,5 +76,6 @@ def test_the_user_s_runtime_env_and_ours_reach_every_rank(cluster, tmp_path: Pat
         assert rank["variable"] == "yes", rank
         shipped = Path(rank["ours"])
         assert shipped.parent.parent.name.startswith("rank-side-"), rank  # the driver's copy
+        assert rank["child"] == rank["ours"], rank
         assert shipped.parent.name == "orchestrator_workers", rank
     assert "READ 0" in proc.stdout.splitlines(), show(proc)
