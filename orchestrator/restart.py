@@ -12,8 +12,11 @@ from orchestrator.call import Call
 from orchestrator.errors import CRASH, DistributedError, JobTimeoutError
 from orchestrator.options import Options
 
-SETTLE_S = 2.0
-"""Before a restart, how long ranks still running may take to return (else: stuck)."""
+SETTLE_S = 5.0
+"""Before a restart, how long ranks still running may take to return (else: stuck). A gloo
+rank whose peer died returns in moments on a quiet node, but ranks run niced (Ray's
+worker_niceness), and on a busy node 2 s replaced healthy ranks. Only ranks truly stuck
+(NCCL's collectives wait for its own timeout) make a restart wait this long."""
 
 
 def restartable(error: BaseException, options: Options, restarts: int) -> bool:
