@@ -19,7 +19,7 @@ import importlib
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -323,3 +323,29 @@ def kv_put(key: str, value: bytes) -> None:
             internal_kv._internal_kv_put(key, value, overwrite=True, namespace=KV_NAMESPACE)
     except (ImportError, AttributeError, TypeError) as exc:
         _fell_back("kv", exc)
+
+
+def upload_runtime_env(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
+    """`runtime_env` with its local `py_modules` and `working_dir` uploaded to the connected
+    cluster and named by URI, as `ray.init` does for the job's (an actor's own runtime_env
+    takes URIs only). Each is uploaded once per content.
+
+    Degraded: `runtime_env` as given (Ray then refuses a local path, naming it).
+    """
+    try:
+        from ray._private.runtime_env import py_modules, working_dir
+
+        modules, folder = (
+            py_modules.upload_py_modules_if_needed,
+            working_dir.upload_working_dir_if_needed,
+        )
+        for upload in (modules, folder):
+            if not _has_parameters(upload, "runtime_env", "include_gitignore", "logger"):
+                raise AttributeError(f"{upload.__name__} changed")
+    except (ImportError, AttributeError) as exc:
+        _fell_back("upload_runtime_env", exc)
+        return dict(runtime_env)
+    quiet = logging.getLogger("orchestrator.upload")  # Ray's "Creating a file package" lines
+    quiet.setLevel(logging.WARNING)
+    uploaded = modules(dict(runtime_env), include_gitignore=True, logger=quiet)
+    return folder(uploaded, include_gitignore=True, logger=quiet)

@@ -97,6 +97,18 @@ def test_a_function_shipped_by_value_runs_where_its_package_is_not(cluster):
     assert "by_value" not in compat.degraded()
 
 
+def test_a_runtime_env_s_local_folders_are_uploaded_as_ray_init_does(cluster, tmp_path):
+    (tmp_path / "mylib").mkdir()
+    (tmp_path / "mylib" / "__init__.py").write_text("X = 1\n")
+    given = {"py_modules": [str(tmp_path / "mylib")], "env_vars": {"A": "1"}}
+    uploaded = compat.upload_runtime_env(given)
+    [uri] = uploaded["py_modules"]
+    assert uri.startswith("gcs://_ray_pkg_") and uploaded["env_vars"] == {"A": "1"}, uploaded
+    assert compat.upload_runtime_env(given) == uploaded  # content-addressed: the same URI
+    assert given["py_modules"] == [str(tmp_path / "mylib")]  # the caller's is left alone
+    assert "upload_runtime_env" not in compat.degraded()
+
+
 def test_the_cluster_keeps_what_a_driver_puts(cluster):
     key = f"test-key-{os.getpid()}"
     assert compat.kv_get(key) is None

@@ -79,3 +79,26 @@ def test_the_user_s_runtime_env_and_ours_reach_every_rank(cluster, tmp_path: Pat
         assert rank["child"] == rank["ours"], rank
         assert shipped.parent.name == "orchestrator_workers", rank
     assert "READ 0" in proc.stdout.splitlines(), show(proc)
+
+
+def test_local_folders_in_distribute_s_runtime_env_reach_the_ranks(cluster, tmp_path: Path):
+    """py_modules and working_dir given as local folders, as ray.init takes them: uploaded,
+    not refused (Ray takes only URIs in an actor's own runtime_env)."""
+    from orchestrator import distribute
+
+    modules = write(tmp_path / "lib", {"mylib/__init__.py": "WHO = 'mylib'\n"})
+    project = write(tmp_path / "project", {"data.txt": "from the working dir\n"})
+
+    def where() -> tuple[str, str]:
+        import mylib  # type: ignore[import-not-found]
+
+        return mylib.WHO, Path("data.txt").read_text()
+
+    fn = distribute(
+        where, num_replicas=2, replicas_per_node=1, log_dir=False,
+        runtime_env={"py_modules": [str(modules / "mylib")], "working_dir": str(project)},
+    )  # fmt: skip
+    try:
+        assert fn() == [("mylib", "from the working dir\n")] * 2
+    finally:
+        fn.shutdown()
