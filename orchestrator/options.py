@@ -183,6 +183,8 @@ class Options:
             )
         if self.runtime_env is not None and not isinstance(self.runtime_env, Mapping):
             problems.append(f"runtime_env={self.runtime_env!r}: must be a dict, as for ray.init")
+        elif self.runtime_env is not None:
+            problems += _missing_folders(self.runtime_env)
         return problems + self._log_problems() + self._call_problems()
 
     def _call_problems(self) -> list[str]:
@@ -288,3 +290,19 @@ def _is_int(value: object) -> bool:
 def _is_number(value: object) -> bool:
     """A finite int or float (not a bool, nan or inf)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _missing_folders(runtime_env: Mapping[str, Any]) -> list[str]:
+    """The local paths of `runtime_env` (uploaded from here: see pool) that are not here."""
+    modules = runtime_env.get("py_modules")
+    named = [("['working_dir']", runtime_env.get("working_dir"))]
+    if isinstance(modules, list | tuple):
+        named += [(f"['py_modules'][{i}]", entry) for i, entry in enumerate(modules)]
+    return [
+        f"runtime_env{key}={path!r}: no such file or folder in {os.getcwd()}; give a "
+        "folder, a .py or .whl file here, or a URI"
+        for key, path in named
+        if isinstance(path, str | os.PathLike)
+        and "://" not in str(path)
+        and not os.path.exists(path)
+    ]

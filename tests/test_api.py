@@ -81,6 +81,10 @@ def test_distribute_s_keywords_are_the_options_dataclass():
         ({"num_replicas": 2, "stall_after": 0}, "stall_after=0: must be a number of seconds"),
         ({"num_replicas": 2, "on_stall": "kill"}, "on_stall='kill': must be 'report'"),
         ({"num_replicas": 2, "log_dir": 123}, "log_dir=123: must be True"),
+        ({"num_replicas": 2, "runtime_env": {"py_modules": ["gs://b/x.zip", "./no/such"]}},
+         "runtime_env['py_modules'][1]='./no/such': no such file or folder in"),
+        ({"num_replicas": 2, "runtime_env": {"working_dir": "/no/such/dir"}},
+         "runtime_env['working_dir']='/no/such/dir': no such file or folder"),
         # A huge count: a few divisors, found at once, in a short message.
         ({"num_replicas": 10**12, "replicas_per_node": 7},
          "valid: 1, 2, 4, 5, 8, 10, 16, ... 1000000000000 (169 in all)"),
