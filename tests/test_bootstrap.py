@@ -72,7 +72,7 @@ def test_a_copy_already_imported_is_used_if_the_same_else_named(node_temp, monke
 
 
 def test_the_shell_has_the_rank_s_methods_and_their_ray_options():
-    shell = bootstrap.shell(RankActor, "actor")
+    shell = bootstrap.shell(RankActor)
     public = {name for name in vars(RankActor) if not name.startswith("_")}
     assert public and public <= set(vars(shell))
     assert shell.drain.__ray_concurrency_group__ == RankActor.drain.__ray_concurrency_group__

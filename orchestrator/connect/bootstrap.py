@@ -100,19 +100,20 @@ def ensure(package: bytes, content: str) -> str:
 
 
 def call(package: bytes, content: str, module: str, name: str, *args: Any) -> Any:
-    """`module.name(*args)` of our rank side, run where the node may lack it (a task)."""
+    """`module.name(*args)`, a function of our rank side, run where the node may lack it
+    (a task)."""
     ensure(package, content)
-    return getattr(importlib.import_module(f"{PACKAGE}.{module}"), name)(*args)
+    return getattr(importlib.import_module(module), name)(*args)
 
 
-def shell(actor: type, module: str) -> type:
+def shell(actor: type) -> type:
     """A class with `actor`'s public methods (and their Ray options), whose instances build
-    a real `actor` from our rank side (`module` of it) once it is on the path."""
-    name = actor.__name__
+    a real `actor` (a class of our rank side) once our rank side is on the path."""
+    module, name = actor.__module__, actor.__name__
 
     def __init__(self: Any, package: bytes, content: str, *args: Any, **kwargs: Any) -> None:
         ensure(package, content)
-        real = getattr(importlib.import_module(f"{PACKAGE}.{module}"), name)
+        real = getattr(importlib.import_module(module), name)
         self._real = real(*args, **kwargs)
 
     def __repr__(self: Any) -> str:

@@ -62,9 +62,7 @@ _ray_compat.by_value(bootstrap.call)
 _ray_compat.by_value(inventory.read)
 
 _RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)  # type: ignore[call-overload]  # Ray's stubs omit this documented option
-_RemoteShell = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(  # type: ignore[call-overload]
-    bootstrap.shell(RankActor, RankActor.__module__.removeprefix(f"{inventory.RANK_SIDE}."))
-)
+_RemoteShell = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(bootstrap.shell(RankActor))  # type: ignore[call-overload]
 """A rank on a node that lacks our rank side, or has another: it brings the driver's first."""
 
 _lock = threading.Lock()
@@ -261,11 +259,10 @@ def task(node_id: str, function: Callable[..., Any], *args: Any) -> ray.ObjectRe
     carry = carried(node_id)
     if not carry:
         return _remote(function).options(scheduling_strategy=affinity).remote(*args)
-    module = function.__module__.removeprefix(f"{inventory.RANK_SIDE}.")
     return (
         _remote(bootstrap.call)
         .options(scheduling_strategy=affinity)
-        .remote(*carry, module, function.__name__, *args)
+        .remote(*carry, function.__module__, function.__name__, *args)
     )
 
 

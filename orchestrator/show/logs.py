@@ -104,9 +104,9 @@ class Console:
             text = state.pending + state.decoder.decode(chunk.data)
             *lines, rest = text.split("\n")
             if lines:
-                rendered = [_rendered(line) for line in lines]
+                rendered = [line for line in map(_rendered, lines) if not _ray_marker(line)]
                 self._log(rank, rendered)
-                if state.shown and rendered[0].startswith(state.shown):
+                if rendered and state.shown and rendered[0].startswith(state.shown):
                     # Its start was shown already (a line cut short): show only the rest.
                     rendered[0] = rendered[0][len(state.shown) :]
                     rendered = rendered if rendered[0] else rendered[1:]
@@ -125,7 +125,7 @@ class Console:
             if state.due is None:
                 continue
             if state.due <= now:
-                text = _rendered(state.pending)
+                text = _partial(state.pending)
                 if text and text != state.shown:
                     self._emit(rank, stream, [text], now)
                     state.shown = text
@@ -141,7 +141,7 @@ class Console:
         """Show every partial line and fold not yet shown (the end of a call); flush the files."""
         now = time.monotonic()
         for (rank, stream), state in sorted(self._streams.items()):
-            text = _rendered(state.pending)
+            text = _partial(state.pending)
             if text:
                 self._log(rank, [text])
             if text and text != state.shown:
@@ -190,13 +190,11 @@ class Console:
     def _log(self, rank: int, lines: list[str]) -> None:
         """Write `rank`'s whole `lines` into its log file (a line cut short goes in whole,
         once, when it ends)."""
-        lines = [line for line in lines if not line.startswith(_RAY_MARKERS)]
         if self.log_dir is not None and lines:
             self._file(rank).write("".join(f"{line}\n" for line in lines))
 
     def _emit(self, rank: int, stream: str, lines: list[str], now: float) -> None:
         """Show `rank`'s `lines` at once, or hand them to the folder."""
-        lines = [line for line in lines if not line.startswith(_RAY_MARKERS)]
         if not lines:
             return
         self.last_lines[rank] = lines[-1]
@@ -242,6 +240,17 @@ class _RankList(str):
             return format(str(self), spec)
         except ValueError:
             return str(self)
+
+
+def _ray_marker(line: str) -> bool:
+    """Whether `line` is one of Ray's own markers (kept out of the console and the files)."""
+    return line.startswith(_RAY_MARKERS)
+
+
+def _partial(pending: str) -> str:
+    """What is shown of a line not ended yet ("" for none, or for one of Ray's markers)."""
+    text = _rendered(pending)
+    return "" if _ray_marker(text) else text
 
 
 def _rendered(line: str) -> str:
