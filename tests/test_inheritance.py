@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,27 @@ def test_forked_processes_exit_at_once_in_a_rank(cluster):
             forked = found["forked"]
             assert forked["signals"]["SIGTERM"] == "default", forked  # not Ray's handler
             assert forked["pipe_ends"] == 0, forked  # no end of the rank's capture pipes
+
+
+def _sigterm_as_forked(times: int) -> list[int]:
+    """Fork `times` children, SIGTERM each as soon as fork returns; their exit statuses."""
+    statuses = []
+    for _ in range(times):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(3)
+            os._exit(7)
+        os.kill(pid, signal.SIGTERM)
+        statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    return statuses
+
+
+def test_a_child_sigtermed_as_it_is_forked_dies(cluster):
+    """Until its at-fork hook ran, a child had Ray's handler and lost the SIGTERM (27 of 30
+    lived on; `with Pool() as p` then hung when map raised at once)."""
+    with distribute(_sigterm_as_forked, num_replicas=1, name="sigterm") as fork:
+        (statuses,) = fork(10)
+    assert statuses == [-signal.SIGTERM] * 10, statuses
 
 
 def test_ranks_niced_by_the_cluster_are_pointed_out_once(capfd):

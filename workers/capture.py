@@ -35,6 +35,37 @@ def tell_driver(state: str) -> None:
         _active._append(STATE_STREAM, state.encode())
 
 
+_fork = threading.local()
+"""Per forking thread: whether SIGTERM was blocked in it before the fork (see _hold_sigterm)."""
+
+
+def _hold_sigterm() -> None:
+    """Before a fork: block SIGTERM in the forking thread, so that the child holds one sent
+    to it before it has dropped Ray's handler, instead of losing it.
+
+    Until its at-fork hook runs, a child has the rank's Python-level SIGTERM handler, which
+    a forked child never runs: a SIGTERM that comes then (a pool terminated at once, as
+    `with Pool() as p: p.map(...)` does when map raises) was swallowed, and the child lived
+    on while its parent waited for it. The rank's other threads still take SIGTERMs sent to
+    the rank meanwhile.
+    """
+    try:
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    except (OSError, ValueError):
+        return
+    _fork.was_blocked = signal.SIGTERM in held
+
+
+def _release_sigterm(unknown_blocked: bool = True) -> None:
+    """After a fork, in parent and child: unblock SIGTERM again unless it was blocked before
+    (`unknown_blocked`: whether to assume so when `_hold_sigterm` did not say)."""
+    if getattr(_fork, "was_blocked", unknown_blocked):
+        return
+    _fork.was_blocked = True
+    with contextlib.suppress(OSError, ValueError):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 class Capture:
     """Replaces fds 1 and 2 with pipes; a thread turns what arrives into numbered chunks.
 
@@ -126,7 +157,11 @@ class Capture:
             real_exit(status)
 
         os._exit = _exit
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        os.register_at_fork(
+            before=_hold_sigterm,
+            after_in_parent=_release_sigterm,
+            after_in_child=self._after_fork_in_child,
+        )
 
     def _after_fork_in_child(self) -> None:
         """A forked child writes to fds 1 and 2 like its rank, and inherits nothing else of ours.
@@ -142,6 +177,7 @@ class Capture:
                     os.close(fd)
         with contextlib.suppress(ValueError, OSError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _release_sigterm(unknown_blocked=False)  # a SIGTERM that came meanwhile kills it now
 
     def drain(self, timeout: float, gather: float = 0.0) -> list[OutputChunk]:
         """Chunks not yet drained, waiting up to `timeout` s for the first one.
