@@ -15,6 +15,13 @@ from orchestrator.errors import (
 )
 from orchestrator.job import Job, JobStatus, RankStatus
 from orchestrator.options import CallOptions, default_log_dir
+from orchestrator.supervise.follow import (
+    FollowedJob,
+    JobInfo,
+    SupervisorLostError,
+    get_job,
+    list_jobs,
+)
 from orchestrator_workers.protocol import RankFailure
 from orchestrator_workers.states import State
 
@@ -26,7 +33,9 @@ __all__ = [
     "ConfigError",
     "DistributedError",
     "DistributedFunction",
+    "FollowedJob",
     "Job",
+    "JobInfo",
     "JobStatus",
     "JobTimeoutError",
     "OrchestratorError",
@@ -36,6 +45,9 @@ __all__ = [
     "RankStatus",
     "StallError",
     "State",
+    "SupervisorLostError",
     "default_log_dir",
     "distribute",
+    "get_job",
+    "list_jobs",
 ]

@@ -349,3 +349,43 @@ def upload_runtime_env(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
     quiet.setLevel(logging.WARNING)
     uploaded = modules(dict(runtime_env), include_gitignore=True, logger=quiet)
     return folder(uploaded, include_gitignore=True, logger=quiet)
+
+
+def kv_keys(prefix: str) -> list[str]:
+    """The keys under `prefix` in the connected cluster's key-value store. Degraded: none."""
+    try:
+        from ray.experimental import internal_kv
+
+        if not internal_kv._internal_kv_initialized():
+            return []
+        keys = internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
+    except (ImportError, AttributeError, TypeError) as exc:
+        _fell_back("kv", exc)
+        return []
+    return sorted(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
+
+
+def kv_delete(key: str) -> None:
+    """Remove `key` from the connected cluster's key-value store. Degraded: it stays."""
+    try:
+        from ray.experimental import internal_kv
+
+        if internal_kv._internal_kv_initialized():
+            internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+    except (ImportError, AttributeError, TypeError) as exc:
+        _fell_back("kv", exc)
+
+
+def driver_alive(job_id: str) -> bool | None:
+    """Whether the driver of Ray job `job_id` (hex) is still connected; None where this Ray
+    cannot say."""
+    try:
+        from ray._private import state
+
+        for job in state.jobs():
+            if job.get("JobID") == job_id:
+                return not job.get("IsDead", False)
+    except (ImportError, AttributeError, TypeError, KeyError) as exc:
+        _fell_back("job table", exc)
+        return None
+    return False

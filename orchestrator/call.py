@@ -32,7 +32,7 @@ from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
 from orchestrator.show import messages
-from orchestrator.show.logs import Console
+from orchestrator.show.logs import Console, Journaling
 from orchestrator.show.status import StatusLine
 from orchestrator.view import CallView, snapshot
 from orchestrator_workers.protocol import CallSpec, RankFailure, RankResult
@@ -73,6 +73,7 @@ class Call:
         *,
         log_dir: Path | None = None,
         sink: Callable[[str, str], None] | None = None,
+        journal: Journaling | None = None,
         stop: threading.Event | None = None,
         restart_count: int = 0,
         earlier: Sequence[BaseException] = (),
@@ -81,7 +82,8 @@ class Call:
 
         Its output is shown as `options` say, and filed in `log_dir` (the job's, one for
         all its attempts); `sink(stream, text)` takes it instead of the console (a
-        notebook cell). `earlier`: the job's failed attempts, for this one's error.
+        notebook cell); `journal` records every chunk too (a detached job's). `earlier`:
+        the job's failed attempts, for this one's error.
         """
         self.pool = pool
         self.console = Console(
@@ -92,6 +94,7 @@ class Call:
             log_dir=log_dir,
             sink=sink,
             fold=options.fold_output,
+            journal=journal,
         )
         if restart_count:
             self.console.mark_files(

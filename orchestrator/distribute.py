@@ -20,6 +20,7 @@ from orchestrator.options import DEFAULT_PREFIX, STALL_AFTER_S, CallOptions, Opt
 from orchestrator.runner import Runner
 from orchestrator.show import notebook
 from orchestrator.show.logs import read_log
+from orchestrator.supervise.follow import Detached, FollowedJob, stop_following
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -32,7 +33,11 @@ class DistributedFunction(Generic[P, R]):
         """Wrap `fn`; use `distribute()` rather than this constructor."""
         self.fn = fn
         self.options = options
-        self._runner = Runner(options.job_name, options)
+        self._runner: Runner | Detached = (
+            Detached(options.job_name, options)
+            if options.detach
+            else Runner(options.job_name, options)
+        )
 
     @property
     def name(self) -> str:
@@ -51,6 +56,12 @@ class DistributedFunction(Generic[P, R]):
         try:
             return job.result()
         except KeyboardInterrupt:
+            if isinstance(job, FollowedJob):
+                job.unfollow()
+                raise KeyboardInterrupt(
+                    f"stopped following job {job.id}; it runs on in the cluster: "
+                    f"orchestrator.get_job({job.id!r}) gets it back, job.cancel() stops it"
+                ) from None
             job.cancel()
             raise KeyboardInterrupt(
                 f"interrupted: all {self.options.num_replicas} ranks of {self.name} were "
@@ -92,8 +103,16 @@ class DistributedFunction(Generic[P, R]):
         current = self._runner.current
         return current.stacks() if current is not None else {}
 
+    @property
+    def detached(self) -> bool:
+        """Whether its calls are supervised in the cluster and outlive this process."""
+        return self.options.detach
+
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during the last call."""
+        last = self._runner.last
+        if isinstance(last, FollowedJob):
+            return last.logs(rank)
         if self.log_dir is None:
             raise FileNotFoundError(f"{self.name} has kept no log files yet")
         return read_log(self.log_dir, rank)
@@ -158,6 +177,7 @@ def distribute(
     queue: bool = True,
     max_restarts: int = 0,
     restart_on: str = "any",
+    detach: bool = False,
 ) -> DistributedFunction[P, R]:
     """Make `fn` a function that runs on `num_replicas` ranks of a torch.distributed job.
 
@@ -180,6 +200,8 @@ def distribute(
     restarts every rank on a fresh pool after a failure (`restart_on="crash"`: only when
     a rank's process died or its node was lost), up to N times per call; each rank
     reads the attempt number from RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT).
+    `detach=True` supervises each call in the cluster: it runs on when this process exits
+    or dies, and `orchestrator.get_job(job.id)` gets it back from any process.
     """
     given = {name: value for name, value in locals().items() if name != "fn"}
     options = Options.create(fn, **given)
@@ -192,6 +214,7 @@ def _at_exit() -> None:
 
     Registered after `import ray`, so it runs before Ray's own exit hook.
     """
+    stop_following(say=True)
     stop_all(say=True)
     cluster.at_exit()
 

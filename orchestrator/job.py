@@ -23,6 +23,7 @@ from orchestrator_workers.states import State
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
+    from orchestrator.show.logs import Journaling
     from orchestrator.view import CallView
     from orchestrator_workers.protocol import RankFailure
 
@@ -115,6 +116,8 @@ class Job(Future[list[R]]):
         """The running (or last) attempt's call, once its ranks started."""
         self._cell: CellOutput | None = None
         """In a notebook, the submitting cell's display that shows the ranks' output."""
+        self._journal: Journaling | None = None
+        """Where a detached job's supervisor records its ranks' output, for its followers."""
         self._owner = owner
         self._stop = stop
         self._error: BaseException | None = None

@@ -89,6 +89,8 @@ class Options:
     """After a failed attempt, restart every rank on a fresh pool up to this many times."""
     restart_on: str = "any"
     """"any" failure, or only a "crash" (a rank's process died or its node was lost)."""
+    detach: bool = False
+    """Calls are supervised in the cluster and outlive this process (supervise.follow)."""
 
     @property
     def job_name(self) -> str:
@@ -211,6 +213,10 @@ class Options:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             problems.append(
                 f"max_restarts={self.max_restarts!r}: must be an int >= 0 (0: fail fast)"
+            )
+        if not isinstance(self.detach, bool):
+            problems.append(
+                f"detach={self.detach!r}: must be True (calls outlive this process) or False"
             )
         if self.restart_on not in ("any", "crash"):
             problems.append(

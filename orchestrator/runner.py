@@ -25,7 +25,9 @@ from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
 from orchestrator.show import logs, messages
+from orchestrator.show.logs import Journaling
 from orchestrator_workers import environment
+from orchestrator_workers.protocol import Payload
 from orchestrator_workers.states import State
 
 Plan = tuple[placement.Request, bool]
@@ -99,6 +101,23 @@ class Runner:
         """
         self._refuse_if_busy(options)  # before the payload is pickled, too
         payload, uses_torch = shipping.pack(fn, args, kwargs)
+        return self.submit_packed(payload, uses_torch, options, owner=owner, in_cell=in_cell)
+
+    def submit_packed(
+        self,
+        payload: Payload,
+        uses_torch: bool,
+        options: Options,
+        *,
+        owner: Any = None,
+        in_cell: bool = False,
+        journal: Journaling | None = None,
+    ) -> Job[Any]:
+        """Queue a call packed already (`shipping.pack`), as `submit` does; its Job.
+
+        `journal`: where the job's output is recorded too (a detached job's supervisor).
+        """
+        self._refuse_if_busy(options)
         plan = None if self.pool is not None else _plan(options)
         # Now, before returning: the arguments' big tensors are pickled by reference, so a
         # caller changing them after submit() must not change what the ranks get.
@@ -109,6 +128,7 @@ class Runner:
             self.name, options.num_replicas, self.stop, log_dir=log_dir, in_cell=in_cell,
             owner=owner,
         )
+        job._journal = journal
         with self._lock:
             try:
                 self._refuse_if_busy(options)  # under the lock: another thread may have won
@@ -244,7 +264,8 @@ class Runner:
             shipped,
             options,
             log_dir=job.log_dir,
-            sink=job._cell.write if job._cell is not None else None,
+            sink=job._cell.write if job._cell is not None else _sink(job),
+            journal=job._journal,
             stop=job._stop_requested,
             restart_count=len(earlier),
             earlier=earlier,
@@ -273,6 +294,16 @@ class Runner:
             stop=job._stop_requested,
             on_phase=progress,
         )
+
+
+def _sink(job: Job[Any]) -> Callable[[str, str], None] | None:
+    """Where a job's shown lines go outside a notebook: the console, or nowhere for a job
+    whose output is journaled (its supervisor has no one to show it to; followers do)."""
+    return None if job._journal is None else _nowhere
+
+
+def _nowhere(stream: str, text: str) -> None:
+    """Shows nothing."""
 
 
 _runners: weakref.WeakSet[Runner] = weakref.WeakSet()

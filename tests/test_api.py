@@ -22,7 +22,9 @@ def test_public_api_is_small_and_stable():
         "ConfigError",
         "DistributedError",
         "DistributedFunction",
+        "FollowedJob",
         "Job",
+        "JobInfo",
         "JobStatus",
         "JobTimeoutError",
         "OrchestratorError",
@@ -32,8 +34,11 @@ def test_public_api_is_small_and_stable():
         "RankStatus",
         "StallError",
         "State",
+        "SupervisorLostError",
         "default_log_dir",
         "distribute",
+        "get_job",
+        "list_jobs",
     ]
     # One spelling per state: the enum compares equal to the words the API shows.
     assert orchestrator.State.WAITING == "waiting for a debugger"

@@ -1,4 +1,5 @@
-"""The `orchestrator` command line: `run` a script on every rank, `nodes`, `stacks`, `attach`."""
+"""The `orchestrator` command line: `run` a script on every rank, `nodes`, `stacks`, `attach`,
+and the detached jobs: `jobs`, `logs`, `stop`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from orchestrator.cli import launch, lookup, torchrun, upload
+from orchestrator.cli import jobs, launch, lookup, torchrun, upload
 from orchestrator.cli.attach import attach
 from orchestrator.connect import cluster, local
 from orchestrator.errors import LaunchError, OrchestratorError
@@ -276,6 +277,36 @@ def _local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_jobs(commands: argparse._SubParsersAction) -> None:
+    address_help = "Ray cluster (default: RAY_ADDRESS, or `ray start`/the local runtime here)"
+    jobs_cmd = commands.add_parser(
+        "jobs",
+        help="list the detached jobs of a cluster",
+        description="List the jobs started with distribute(..., detach=True): id, state, "
+        "ranks, nodes, when and by whom.",
+    )
+    jobs_cmd.add_argument("--address", help=address_help)
+    logs_cmd = commands.add_parser(
+        "logs",
+        help="print what a detached job's ranks wrote; -f follows it to its end",
+        description="Print every line a detached job's ranks wrote (within the journal's "
+        "bound), labelled by rank; --rank R prints that rank's whole log file. -f then "
+        "follows the job until it ends: Ctrl-C stops following, not the job.",
+        epilog="example: orchestrator logs train-3f9a1c -f",
+    )
+    logs_cmd.add_argument("id", help="the job's id (or its name: its newest job)")
+    logs_cmd.add_argument("--rank", type=int, help="only this rank")
+    logs_cmd.add_argument("-f", "--follow", action="store_true", help="follow it to its end")
+    logs_cmd.add_argument("--address", help=address_help)
+    stop_cmd = commands.add_parser(
+        "stop",
+        help="stop a detached job's ranks",
+        description="Stop every rank of a detached job (as job.cancel() does).",
+    )
+    stop_cmd.add_argument("id", help="the job's id (or its name: its newest job)")
+    stop_cmd.add_argument("--address", help=address_help)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen subcommand; the exit status."""
     parser = argparse.ArgumentParser(
@@ -311,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     attach_cmd.add_argument("address", help="HOST:PORT printed by the waiting rank")
     _add_local(commands)
+    _add_jobs(commands)
     args = parser.parse_args(argv)
     commands_of = {
         "run": lambda: _run(args),
@@ -318,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         "stacks": lambda: lookup.stacks(args.name, args.address),
         "local": lambda: _local(args),
         "attach": lambda: attach(args.address),
+        "jobs": lambda: jobs.jobs(args.address),
+        "logs": lambda: jobs.logs(args.id, args.rank, args.follow, args.address),
+        "stop": lambda: jobs.stop(args.id, args.address),
     }
     try:
         return commands_of[args.command]()

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from orchestrator.options import DEFAULT_PREFIX, unsafe_log_dir
 from orchestrator.show import messages
@@ -28,6 +28,13 @@ PROGRESS_INTERVAL_S = 1.0
 
 _COLOURS = (36, 32, 33, 35, 34, 91, 92, 93, 94, 95, 96)
 _RAY_MARKERS = tuple(marker.decode() for marker in RAY_MARKERS)
+
+
+class Journaling(Protocol):
+    """Where a console also records every chunk it takes in (supervise.journal.Journal)."""
+
+    def write(self, rank: int, chunks: Iterable[OutputChunk]) -> None:
+        """Record `rank`'s `chunks`, taken in now."""
 
 
 @dataclass
@@ -58,14 +65,17 @@ class Console:
         log_dir: Path | None = None,
         sink: Callable[[str, str], None] | None = None,
         fold: bool | None = None,
+        journal: Journaling | None = None,
     ) -> None:
         """`show`: ranks whose lines go to the console (all when None); files get all.
 
         `log_dir`: where rank-N.log files go (made on first use); `sink(stream, text)`:
         where shown lines go instead of stdout/stderr (a notebook cell). `fold`: show
         lines many ranks write alike once (orchestrator.fold); None: by how many are shown.
+        `journal`: also records every chunk as it comes (a detached job's supervisor).
         """
         self.name = name
+        self.journal = journal
         self.prefix = prefix
         self.show = None if show is None else frozenset(show)
         self.num_ranks = num_ranks
@@ -96,6 +106,9 @@ class Console:
     def write(self, rank: int, chunks: Iterable[OutputChunk], now: float | None = None) -> None:
         """Take in `chunks`: complete lines are shown at once, a partial line later."""
         now = time.monotonic() if now is None else now
+        if self.journal is not None:
+            chunks = list(chunks)
+            self.journal.write(rank, chunks)
         for chunk in chunks:
             if chunk.data:  # a progress bar's \r counts too
                 self.last_output = self.last_times[rank] = now

@@ -1,0 +1,79 @@
+"""`orchestrator jobs`, `orchestrator logs ID [--rank R] [-f]` and `orchestrator stop ID`:
+the detached jobs of a cluster, from any terminal that reaches it."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import ray
+
+from orchestrator.show.logs import Console
+from orchestrator.supervise import follow, registry
+from orchestrator.supervise.supervisor import NAMESPACE
+
+PAGE_ENTRIES = 50_000
+"""Entries read per request when printing everything kept."""
+
+
+def jobs(address: str | None) -> int:
+    """Print every detached job: id, state, ranks, nodes, age, who started it."""
+    found = follow.list_jobs(address)
+    if not found:
+        print("no detached jobs in this cluster (distribute(..., detach=True) makes one)")
+        return 0
+    rows = [("ID", "STATE", "RANKS", "NODES", "STARTED", "BY")]
+    for job in found:
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.started))
+        nodes = ",".join(job.nodes) or "-"
+        rows.append((job.id, job.state, str(job.ranks), nodes, started, job.user))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print("  ".join(cells).rstrip())
+    return 0
+
+
+def logs(job_id: str, rank: int | None, keep_following: bool, address: str | None) -> int:
+    """Print everything the job's ranks wrote (one rank's whole log with `rank`), then,
+    with `keep_following`, what they write next until the job ends; Ctrl-C stops
+    following, not the job. The exit status: 0, or 1 when the job failed."""
+    follow.connect_lasting(address)
+    record = registry.find(job_id)
+    handle = ray.get_actor(record.supervisor, namespace=NAMESPACE)
+    if rank is not None and not keep_following:
+        sys.stdout.write(ray.get(handle.logs.remote(record.id, rank)))
+        return 0
+    if not keep_following:
+        console = Console(
+            record.name, record.ranks, prefix=record.console.log_prefix,
+            show=None if rank is None else (rank,), fold=False,
+        )
+        after = 0
+        while True:
+            page = ray.get(handle.read.remote(record.id, after, PAGE_ENTRIES, 0.0))
+            for entry in page.entries:
+                console.write(entry.rank, [entry.chunk])
+            after = page.next
+            if not page.entries:
+                break
+        console.flush()
+        return 0
+    shown = None if rank is None else (rank,)
+    job = follow.FollowedJob(record, handle, fold=False, ranks=shown)
+    try:
+        job.exception()
+    except KeyboardInterrupt:
+        job.unfollow(say=True)
+        return 130
+    return 0 if not job.cancelled() and job.exception() is None else 1
+
+
+def stop(job_id: str, address: str | None) -> int:
+    """Stop a detached job's ranks."""
+    job = follow.get_job(job_id, address, show=False)
+    if job.cancel():
+        print(f"stopped job {job.id}")
+    else:
+        print(f"job {job.id} had ended already ({job.status().state})")
+    return 0

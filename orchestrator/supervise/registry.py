@@ -1,0 +1,121 @@
+"""Where the cluster keeps its detached jobs' records: any process that reaches it finds them.
+
+One record per job in Ray's internal key-value store (namespace "orchestrator"), under
+`jobs/<id>`: what `list_jobs` shows and what `get_job` needs to reach the job's supervisor.
+Whoever holds the cluster's token may read and change it, as they may use the cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import json
+import secrets
+import socket
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from orchestrator import _ray_compat
+from orchestrator.errors import ConfigError
+from orchestrator.options import Options
+from orchestrator_workers import spares
+
+PREFIX = "jobs/"
+
+
+@dataclass(frozen=True)
+class ConsoleOptions:
+    """How a follower shows the job's output: as its driver asked."""
+
+    log_prefix: str
+    log_ranks: Collection[int] | None
+    fold_output: bool | None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A detached job, as the cluster records it."""
+
+    id: str
+    """The job's name and a short random part, e.g. "train-3f9a1c"."""
+    name: str
+    supervisor: str
+    """The name of its supervisor's actor (namespace "orchestrator")."""
+    ranks: int
+    started: float
+    """When it was submitted (time.time())."""
+    user: str
+    """Who submitted it, and from where: "alice@laptop"."""
+    code: str
+    """The content id of the product's code that submitted it (`spares.code_id()`)."""
+    console: ConsoleOptions
+
+
+def supervisor_name(name: str) -> str:
+    """A fresh, unique name for the supervisor of detached function `name`."""
+    return f"supervisor-{name}-{secrets.token_hex(3)}"
+
+
+def new_record(name: str, options: Options, supervisor: str) -> JobRecord:
+    """A record for a new job of `name`, run as `options` say by `supervisor`."""
+    return JobRecord(
+        id=f"{name}-{secrets.token_hex(3)}",
+        name=name,
+        supervisor=supervisor,
+        ranks=options.num_replicas,
+        started=time.time(),
+        user=f"{getpass.getuser()}@{socket.gethostname()}",
+        code=spares.code_id(),
+        console=ConsoleOptions(options.log_prefix, options.log_ranks, options.fold_output),
+    )
+
+
+def keep(record: JobRecord) -> None:
+    """Record `record` in the cluster (as JSON: reading a record runs no code)."""
+    _ray_compat.kv_put(PREFIX + record.id, json.dumps(dataclasses.asdict(record)).encode())
+
+
+def _parse(value: bytes) -> JobRecord | None:
+    """The record in `value`; None for one this version cannot read."""
+    try:
+        fields = json.loads(value)
+        console = fields.pop("console")
+        ranks = console["log_ranks"]
+        console["log_ranks"] = None if ranks is None else tuple(ranks)
+        return JobRecord(**fields, console=ConsoleOptions(**console))
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def forget(job_id: str) -> None:
+    """Remove the record of `job_id`."""
+    _ray_compat.kv_delete(PREFIX + job_id)
+
+
+def records() -> list[JobRecord]:
+    """Every detached job's record, oldest first."""
+    found = []
+    for key in _ray_compat.kv_keys(PREFIX):
+        value = _ray_compat.kv_get(key)
+        record = _parse(value) if value is not None else None
+        if record is not None:
+            found.append(record)
+    return sorted(found, key=lambda r: r.started)
+
+
+def find(id_or_name: str) -> JobRecord:
+    """The record of job `id_or_name`, or of the newest job of that name; ConfigError naming
+    the jobs there are when there is none."""
+    value = _ray_compat.kv_get(PREFIX + id_or_name)
+    record = _parse(value) if value is not None else None
+    if record is not None:
+        return record
+    named = [r for r in records() if r.name == id_or_name]
+    if named:
+        return named[-1]
+    known = ", ".join(r.id for r in records()[-10:]) or "none"
+    raise ConfigError(
+        f"no detached job {id_or_name!r} in this cluster; the newest there are: {known} "
+        "(`orchestrator jobs` lists them)"
+    )

@@ -1,0 +1,218 @@
+"""The supervisor of a detached distributed function: a Ray actor that outlives its driver.
+
+It runs where the driver's runner would (`orchestrator.runner`): it starts the rank actors
+itself, so that they belong to it and not to the driver, runs each call, restarts, watches
+for stalls and timeouts, and keeps each job's output (a `Journal`), its log files, status
+and outcome until they are released. Drivers only follow: they read pages of the journal
+and snapshots of the state (`supervise.follow`).
+
+It runs on the head node: losing the head loses the cluster's control store anyway, so the
+supervisor adds no node whose loss would end jobs that could otherwise go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from orchestrator import _ray_compat
+from orchestrator.job import Job, JobStatus
+from orchestrator.options import Options
+from orchestrator.runner import Runner
+from orchestrator.show.notebook import Table
+from orchestrator.supervise import registry
+from orchestrator.supervise.journal import Journal, Page
+from orchestrator_workers.protocol import Payload
+
+NAMESPACE = "orchestrator"
+"""The Ray namespace of every supervisor, whatever the namespace of the driver that made it."""
+IDLE_S = 600.0
+"""How long a detached function's warm pool waits for its next call, while the driver that
+made the function lives, before it is released. Once that driver is gone, an idle pool is
+released at once: no other driver can call that function."""
+RETENTION_S = 7 * 24 * 3600.0
+"""How long a finished job's output and result are kept when nobody releases them."""
+JANITOR_S = 5.0
+"""How often the supervisor looks for an idle pool and expired jobs."""
+CONCURRENCY = 64
+"""Calls the supervisor serves at once: followers' long reads must not queue behind each
+other, nor behind a call that submits."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A job as its supervisor sees it now: what a follower shows."""
+
+    status: JobStatus
+    table: Table
+    done: bool
+    position: int
+    """The journal's newest position when this was taken: a follower that has read up to
+    it, and sees `done`, has everything."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a job ended: its results by rank, or its error, or that it was cancelled."""
+
+    value: list[Any] | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+
+
+@dataclass
+class _Kept:
+    job: Job[Any]
+    journal: Journal
+    ended: float | None = None
+
+    def done_at(self, now: float) -> float:
+        """When the job was first seen done (time.monotonic())."""
+        if self.ended is None:
+            self.ended = now
+        return self.ended
+
+
+class Supervisor:
+    """Runs one detached function's calls and keeps each job's output and outcome."""
+
+    def __init__(self, name: str, options: Options, driver: str) -> None:
+        """A supervisor of the function named `name`, laid out as `options` say, for the
+        driver of Ray job `driver` (hex id)."""
+        self.name = name
+        self.options = options
+        self._driver = driver
+        self._runner = Runner(name, options)
+        self._jobs: dict[str, _Kept] = {}
+        self._lock = threading.Lock()
+        self._idle_since = time.monotonic()
+        self._release_now = False
+        self._started = time.monotonic()
+        self._submitted = False
+        threading.Thread(target=self._janitor, name="janitor", daemon=True).start()
+
+    def ready(self) -> bool:
+        """True once the actor is up (the driver waits for it before its first call)."""
+        return True
+
+    def submit(self, job_id: str, payload: Payload, uses_torch: bool, options: Options) -> None:
+        """Queue one call, packed by the driver; its job is kept as `job_id`."""
+        journal = Journal(options.num_replicas)
+        job = self._runner.submit_packed(payload, uses_torch, options, journal=journal)
+        with self._lock:
+            self._jobs[job_id] = _Kept(job, journal)
+            self._submitted = True
+
+    def read(self, job_id: str, after: int, limit: int, wait_s: float) -> Page:
+        """Journal entries of `job_id` after position `after` (see `Journal.read`)."""
+        return self._kept(job_id).journal.read(after, limit, wait_s)
+
+    def newest(self, job_id: str, lines: int) -> int:
+        """The position to read after to get the newest `lines` lines of each rank."""
+        return self._kept(job_id).journal.newest(lines)
+
+    def snapshot(self, job_id: str) -> Snapshot:
+        """The job's status and table now, whether it is done, and the journal's position."""
+        kept = self._kept(job_id)
+        done = kept.job.done()  # before the position: output up to it is all there is
+        return Snapshot(kept.job.status(), kept.job.table(), done, kept.journal.position)
+
+    def outcome(self, job_id: str, wait_s: float) -> Outcome | None:
+        """How the job ended, waiting up to `wait_s` for it; None while it runs."""
+        job = self._kept(job_id).job
+        with contextlib.suppress(TimeoutError, CancelledError):
+            job.exception(timeout=wait_s)
+        if not job.done():
+            return None
+        if job.cancelled():
+            return Outcome(cancelled=True)
+        try:
+            return Outcome(value=job.result(timeout=0))
+        except CancelledError:
+            return Outcome(cancelled=True)
+        except BaseException as exc:  # noqa: BLE001 - the job's error, for the follower
+            return Outcome(error=exc)
+
+    def cancel(self, job_id: str) -> bool:
+        """Stop the job's ranks (or withdraw it); False if it was done."""
+        return self._kept(job_id).job.cancel()
+
+    def stacks(self, job_id: str) -> dict[int, str]:
+        """Each rank's stacks while the job runs ({} otherwise)."""
+        return self._kept(job_id).job.stacks()
+
+    def logs(self, job_id: str, rank: int) -> str:
+        """Everything rank `rank` wrote during the job, from its log file on this node."""
+        job = self._kept(job_id).job
+        return job.logs(rank) if job.log_dir is not None else self._from_journal(job_id, rank)
+
+    def pids(self) -> list[int]:
+        """The warm pool's ranks' process ids, by rank (empty when none is running)."""
+        pool = self._runner.pool
+        return pool.pids() if pool is not None else []
+
+    def release(self, job_id: str) -> None:
+        """Forget a finished job: its journal and outcome (its log files stay)."""
+        with self._lock:
+            kept = self._jobs.get(job_id)
+            if kept is not None and kept.job.done():
+                del self._jobs[job_id]
+                registry.forget(job_id)
+
+    def release_when_idle(self) -> None:
+        """Release the warm pool as soon as no job runs or waits (now, if none does)."""
+        self._release_now = True
+        self._runner.release_if_idle("its driver let it go")
+
+    def shutdown(self) -> None:
+        """Cancel every job and release the pool (the caller then kills this actor)."""
+        self._runner.shutdown()
+
+    def _janitor(self) -> None:
+        """Release the pool after `IDLE_S` without a call, and jobs done `RETENTION_S` ago;
+        with nothing left to keep, end this actor."""
+        while True:
+            time.sleep(JANITOR_S)
+            now = time.monotonic()
+            busy = self._runner.busy_with() is not None
+            if busy:
+                self._idle_since = now
+                continue
+            if self._runner.pool is not None and (
+                self._release_now
+                or now - self._idle_since >= IDLE_S
+                or _ray_compat.driver_alive(self._driver) is False
+            ):
+                self._runner.release_if_idle(f"no call for {now - self._idle_since:.0f} s")
+            with self._lock:
+                for job_id, kept in list(self._jobs.items()):
+                    if kept.job.done() and now - kept.done_at(now) >= RETENTION_S:
+                        del self._jobs[job_id]
+                        registry.forget(job_id)
+                empty = not self._jobs
+            unused = self._submitted or now - self._started >= IDLE_S
+            if empty and unused and self._runner.pool is None:
+                ray.kill(ray.get_runtime_context().current_actor)
+                return
+
+    def _kept(self, job_id: str) -> _Kept:
+        with self._lock:
+            kept = self._jobs.get(job_id)
+        if kept is None:
+            raise KeyError(f"{self.name} keeps no job {job_id!r} (released?)")
+        return kept
+
+    def _from_journal(self, job_id: str, rank: int) -> str:
+        page = self._kept(job_id).journal.read(0, limit=1 << 30)
+        chunks = [e.chunk.data for e in page.entries if e.rank == rank]
+        return b"".join(chunks).decode(errors="replace")
+
+
+RemoteSupervisor = ray.remote(Supervisor)
+"""The actor class; made with `supervise.follow.start_supervisor`."""

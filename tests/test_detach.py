@@ -1,0 +1,175 @@
+"""Detached jobs (distribute(..., detach=True)): supervised in the cluster, they outlive
+their driver, and any process gets them back whole (docs/usage.md: "Detached jobs")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import CancelledError
+
+import pytest
+import ray
+
+from orchestrator import ConfigError, SupervisorLostError, distribute, get_job, list_jobs
+from orchestrator.supervise import registry
+from orchestrator.supervise.supervisor import NAMESPACE
+from tests.helpers import ROOT, wait_for, wait_resources_back
+
+LINES = 60
+
+
+def count(lines: int, pause: float) -> int:
+    """Print `lines` numbered lines, `pause` s apart; the rank times 10."""
+    rank = int(os.environ["RANK"])
+    for i in range(lines):
+        print(f"rank {rank} line {i}", flush=True)
+        time.sleep(pause)
+    return rank * 10
+
+
+def _lines(text: str, rank: int) -> list[str]:
+    """Rank `rank`'s numbered lines in `text`, in order."""
+    return [line.split("] ", 1)[-1] for line in text.splitlines() if f"rank {rank} line" in line]
+
+
+def _every_line_once(text: str, rank: int) -> bool:
+    return _lines(text, rank) == [f"rank {rank} line {i}" for i in range(LINES)]
+
+
+DRIVER = """\
+import sys
+from tests.test_detach import count
+from orchestrator import distribute
+fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, address={address!r})
+job = fn.submit({lines}, 0.1)
+print("JOB", job.id, flush=True)
+job.result()
+print("DONE", flush=True)
+"""
+
+
+def test_a_detached_job_outlives_its_killed_driver_and_is_got_back_whole(cluster, capfd):
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER.format(address=cluster.address, lines=LINES)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        said = first = driver.stdout.readline()
+        while first and not first.startswith("JOB"):
+            first = driver.stdout.readline()
+            said += first
+        job_id = first.split()[1]
+        # Its first line says how to get the job back.
+        assert f"[count] detached job {job_id}; get it back with" in said, said
+        seen = ""
+        while "line 5\n" not in seen:  # the ranks run, and the driver shows their lines
+            seen += driver.stdout.readline()
+        driver.send_signal(signal.SIGKILL)  # mid-call: no exit hook runs
+        driver.wait(timeout=10)
+    finally:
+        driver.kill()
+    capfd.readouterr()
+    job = get_job(job_id)
+    assert job.result(timeout=60) == [0, 10]
+    shown = capfd.readouterr()
+    for rank in (0, 1):  # on the console: the backlog, then live, each line once in order
+        assert _every_line_once(shown.out, rank), shown.out
+        assert _every_line_once(job.logs(rank), rank), job.logs(rank)
+    assert shown.err.startswith("[count] running\nrank  node"), shown.err  # its table first
+    assert job.status().state == "finished"
+    assert job_id in {found.id for found in list_jobs()}
+    job.release()
+    assert job_id not in {found.id for found in list_jobs()}
+    wait_for(lambda: not _supervisors(), 30, "the supervisor gone once its jobs were released")
+    wait_resources_back()
+
+
+def test_cancel_from_another_process_stops_the_ranks(cluster):
+    fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
+                    address=cluster.address)
+    job = fn.submit(10_000, 0.1)
+    wait_for(job.running, 60, "the detached job running")
+    stop = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "stop", job.id, "--address", cluster.address],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert stop.returncode == 0, stop.stderr
+    assert f"stopped job {job.id}" in stop.stdout
+    with pytest.raises(CancelledError):
+        job.result(timeout=30)
+    listed = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "jobs", "--address", cluster.address],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert job.id in listed.stdout and "cancelled" in listed.stdout, listed.stdout
+    job.release()
+    fn.shutdown()
+    wait_resources_back()
+
+
+def test_orchestrator_logs_prints_every_line_and_one_rank_whole(cluster):
+    fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
+                    address=cluster.address)
+    job = fn.submit(LINES, 0.0)
+    assert job.result(timeout=60) == [0, 10]
+    cli = [sys.executable, "-m", "orchestrator", "logs", job.id, "--address", cluster.address]
+    every = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           check=False)
+    assert every.returncode == 0, every.stderr
+    assert _every_line_once(every.stdout, 0) and _every_line_once(every.stdout, 1), every.stdout
+    one = subprocess.run([*cli, "--rank", "1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert one.stdout == "".join(f"rank 1 line {i}\n" for i in range(LINES)), one.stdout
+    job.release()
+    fn.shutdown()
+    wait_resources_back()
+
+
+def test_losing_the_supervisor_fails_the_job_clearly_and_its_ranks_go(cluster):
+    fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
+                    address=cluster.address)
+    job = fn.submit(10_000, 0.1)
+    wait_for(job.running, 60, "the detached job running")
+    ray.kill(ray.get_actor(job.record.supervisor, namespace=NAMESPACE))
+    with pytest.raises(SupervisorLostError, match="supervisor is gone"):
+        job.result(timeout=60)
+    wait_resources_back(timeout=60)  # its ranks belonged to it
+    with pytest.raises(SupervisorLostError, match="gone"):
+        get_job(job.id)
+    registry.forget(job.id)
+
+
+def test_detach_without_a_lasting_ray_is_refused_before_anything_starts(processes, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = str(tmp_path)
+    env["HOME"] = str(tmp_path)  # no local runtime recorded
+    script = textwrap.dedent("""\
+        import ray
+        from orchestrator import distribute
+        try:
+            distribute(abs, num_replicas=1, detach=True)(1)
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+        print("RAY", ray.is_initialized())
+    """)
+    ran = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert "ConfigError detach=True needs a Ray that outlives this process" in ran.stdout
+    assert "orchestrator local start" in ran.stdout
+    assert "RAY False" in ran.stdout, ran.stdout + ran.stderr
+
+
+def test_detach_must_be_a_bool():
+    with pytest.raises(ConfigError, match="detach='yes'"):
+        distribute(abs, num_replicas=1, detach="yes")  # type: ignore[arg-type]
+
+
+def _supervisors() -> list[str]:
+    return [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith("supervisor-")
+    ]
