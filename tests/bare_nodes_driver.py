@@ -394,6 +394,28 @@ def environment(address: str, _work: Path) -> dict[str, Any]:
     }
 
 
+def hello() -> str:
+    """Say which rank this is, and return it."""
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+    return os.environ["RANK"]
+
+
+def detached(address: str, _work: Path) -> dict[str, Any]:
+    """A detached job: its supervisor runs on the head, which lacks our code too."""
+    from orchestrator import get_job, list_jobs
+
+    with distribute(hello, num_replicas=2, replicas_per_node=1, detach=True,
+                    address=address, name="detached") as fn:
+        job = fn.submit()
+        result: dict[str, Any] = {"id": job.id, **_outcome(job)}
+        again = get_job(job.id, show=False)
+        result["again"] = again.result(timeout=60)
+        result["logs"] = [job.logs(rank) for rank in (0, 1)]
+        result["listed"] = [(j.id, str(j.state)) for j in list_jobs()]
+        job.release()
+    return result
+
+
 SCENARIOS: list[Callable[[str, Path], dict[str, Any]]] = [
     mismatch_then_readme,
     restarts,  # the pair's first pool: restarted in place, then warm for stall and raises
@@ -401,6 +423,7 @@ SCENARIOS: list[Callable[[str, Path], dict[str, Any]]] = [
     raises,  # fails: the pair's next pool runs `again` and crash
     crash,
     shm,
+    detached,
     environment,
 ]
 

@@ -402,6 +402,14 @@ def test_a_failed_call_s_buffers_are_removed_from_dev_shm(report):
     assert shm["left"] == [], shm  # the planted leftover too
 
 
+def test_a_detached_job_is_supervised_on_the_head_that_lacks_our_code(report):
+    detached = report.section("detached")
+    assert detached.get("result") == ["0", "1"], detached  # its supervisor carried both sides
+    assert detached["again"] == ["0", "1"], detached  # got back by its id
+    assert detached["logs"] == ["hello from rank 0\n", "hello from rank 1\n"], detached
+    assert [detached["id"], "finished"] in detached["listed"], detached
+
+
 def test_a_crashed_rank_restarts_the_job(two_hosts, report):
     restarted = report.section("restarts")
     assert "result" in restarted, restarted

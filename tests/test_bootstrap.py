@@ -78,3 +78,19 @@ def test_the_shell_has_the_rank_s_methods_and_their_ray_options():
     assert shell.drain.__ray_concurrency_group__ == RankActor.drain.__ray_concurrency_group__
     assert shell.run_node.__ray_concurrency_group__ == "node"
     ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(shell)  # Ray takes it as an actor class
+
+
+def test_both_sides_unpack_together_for_a_supervisor(node_temp, monkeypatch):
+    """A detached job's supervisor runs the driver side too: both packages, one folder."""
+    for name in ("orchestrator_workers", "orchestrator"):
+        monkeypatch.delitem(sys.modules, name)  # a fresh worker has neither
+    driver_side = Path(orchestrator_workers.__file__).parent.parent / "orchestrator"
+    sides = bootstrap.archive(
+        str(Path(orchestrator_workers.__file__).parent), (str(driver_side), "orchestrator")
+    )
+    folder = Path(bootstrap.ensure(sides, rankside.both_content()))
+    assert inventory.content_id(str(folder / "orchestrator_workers")) == rankside.content()
+    unpacked = folder / "orchestrator"
+    assert (unpacked / "supervise" / "supervisor.py").exists()  # its subpackages too
+    assert inventory.content_id(str(unpacked)) == inventory.content_id(str(driver_side))
+    assert sys.path[0] == str(folder)

@@ -32,23 +32,39 @@ from typing import Any
 PACKAGE = "orchestrator_workers"
 
 
+def _files(folder: str) -> list[str]:
+    """A package's files below `folder` (its .py files and py.typed, in its subpackages
+    too; no caches), as sorted paths relative to it."""
+    found = []
+    for where, folders, names in os.walk(folder):
+        folders[:] = sorted(f for f in folders if not f.startswith((".", "__pycache__")))
+        relative = os.path.relpath(where, folder)
+        found.extend(
+            name if relative == "." else os.path.join(relative, name)
+            for name in names
+            if name.endswith(".py") or name == "py.typed"
+        )
+    return sorted(found)
+
+
 def content_id(folder: str) -> str:
-    """The rank side's content in `folder`: every .py file's name and bytes."""
+    """The content of the package in `folder`: every .py file's path and bytes."""
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
+    for name in _files(folder):
         if name.endswith(".py"):
             with open(os.path.join(folder, name), "rb") as source:
                 digest.update(name.encode() + b"\0" + source.read())
     return digest.hexdigest()[:16]
 
 
-def archive(folder: str) -> bytes:
-    """A zip of the package in `folder` under its import name (its .py files, no caches)."""
+def archive(folder: str, *more: tuple[str, str]) -> bytes:
+    """A zip of the rank side in `folder` under its import name, and of each (folder,
+    import name) in `more` (their .py files, no caches)."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as zipped:
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py") or name == "py.typed":
-                zipped.write(os.path.join(folder, name), f"{PACKAGE}/{name}")
+        for package_folder, name in ((folder, PACKAGE), *more):
+            for path in _files(package_folder):
+                zipped.write(os.path.join(package_folder, path), f"{name}/{path}")
     return buffer.getvalue()
 
 
@@ -72,8 +88,9 @@ def _own_folder() -> str:
 
 
 def ensure(package: bytes, content: str) -> str:
-    """The driver's rank side (`package`, of `content`) unpacked on this node and first
-    on this process's path; its folder."""
+    """The driver's rank side (`package`, of `content`; with the driver side too where a
+    supervisor runs there) unpacked on this node and first on this process's path; its
+    folder."""
     folder = os.path.join(_own_folder(), f"rank-side-{content}")
     if not os.path.isdir(os.path.join(folder, PACKAGE)):
         staging = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".rank-side-")
@@ -83,15 +100,24 @@ def ensure(package: bytes, content: str) -> str:
             os.rename(staging, folder)
         except OSError:  # another process on this node unpacked it first
             shutil.rmtree(staging, ignore_errors=True)
-    loaded = sys.modules.get(PACKAGE)
-    if loaded is not None:  # a worker Ray reuses may have run a task of ours before
+    # A worker Ray reuses may have run a task of ours before: the same copy will do.
+    elsewhere = set()
+    names = sorted(os.listdir(folder))  # the rank side, and the driver side where sent
+    for name in names:
+        loaded = sys.modules.get(name)
+        if loaded is None:
+            continue
         where = os.path.dirname(loaded.__file__ or "")
-        if os.path.dirname(where) == folder or content_id(where) == content:
-            return os.path.dirname(where)
-        raise ImportError(
-            f"this process imported another {PACKAGE} ({loaded.__file__}) before the "
-            f"driver's reached it ({folder})"
-        )
+        if os.path.dirname(where) == folder:
+            continue
+        if content_id(where) != content_id(os.path.join(folder, name)):
+            raise ImportError(
+                f"this process imported another {name} ({loaded.__file__}) before the "
+                f"driver's reached it ({folder})"
+            )
+        elsewhere.add(os.path.dirname(where))
+    if len(elsewhere) == 1 and all(name in sys.modules for name in names):
+        return elsewhere.pop()
     if folder not in sys.path:
         sys.path.insert(0, folder)
         paths = os.environ.get("PYTHONPATH")

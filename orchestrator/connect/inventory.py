@@ -23,15 +23,25 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def read() -> dict[str, str | None]:
-    """This process's Python and versions, and its rank side's content id (None where it
-    has none), read without importing any of them."""
-    spec = importlib.util.find_spec(RANK_SIDE)
+DRIVER_SIDE = "orchestrator"
+"""The driver's package: a detached job's supervisor runs it in the cluster."""
+
+
+def _content(package: str) -> str | None:
+    """The content id of `package` as this process would import it; None: it has none."""
+    spec = importlib.util.find_spec(package)
     folder = list(spec.submodule_search_locations or []) if spec is not None else []
+    return content_id(folder[0]) if len(folder) == 1 else None
+
+
+def read() -> dict[str, str | None]:
+    """This process's Python and versions, and the content ids of its rank side and driver
+    side (None where it has none), read without importing any of them."""
     return {
         "python": platform.python_version(),
         "ray": _version("ray"),
         "torch": _version("torch"),
         "cloudpickle": _version("cloudpickle"),
-        "rank_side": content_id(folder[0]) if len(folder) == 1 else None,
+        "rank_side": _content(RANK_SIDE),
+        "driver_side": _content(DRIVER_SIDE),
     }

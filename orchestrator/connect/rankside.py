@@ -55,6 +55,8 @@ class NodeFacts:
     cloudpickle: str | None
     rank_side: str | None
     """Its own `orchestrator_workers`' content id; None where it has none."""
+    driver_side: str | None = None
+    """Its own `orchestrator`'s content id (a supervisor runs it); None where it has none."""
 
 
 # Both run on nodes that may have nothing of ours: Ray's pickler ships them by value.
@@ -73,6 +75,8 @@ _asked = 0
 _archive: tuple[str, ray.ObjectRef] | None = None
 """Our rank side's archive in the object store, with the driver's connection (its node and
 Ray job) that put it there: a new connection puts it again."""
+_both: tuple[str, ray.ObjectRef] | None = None
+"""The same for the archive of both sides, which a supervisor needs."""
 _driver_torch: str | None = None
 """The torch version the driver compares with; None: its installed one (a test hook)."""
 _always = False
@@ -91,6 +95,24 @@ def _folder() -> Path:
 def content() -> str:
     """The driver's rank side's content id (`inventory.content_id` of its folder)."""
     return inventory.content_id(str(_folder()))
+
+
+@functools.cache
+def _driver_folder() -> Path:
+    """The driver's own `orchestrator` package folder."""
+    return Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def _driver_content() -> str:
+    """The driver side's content id."""
+    return inventory.content_id(str(_driver_folder()))
+
+
+@functools.cache
+def both_content() -> str:
+    """The content id of both sides together (what a supervisor's archive holds)."""
+    return f"{content()[:8]}{_driver_content()[:8]}"
 
 
 @functools.cache
@@ -243,6 +265,22 @@ def carried(node_id: str) -> tuple[Any, ...]:
         if _archive is None or _archive[0] != job:
             _archive = (job, ray.put(bootstrap.archive(str(_folder()))))
         return (_archive[1], content())
+
+
+def carried_both(node_id: str) -> tuple[Any, ...]:
+    """As `carried`, for an actor that runs the driver side too (a supervisor): nothing
+    where the node has both sides at the driver's content."""
+    global _both  # noqa: PLW0603 - one driver per process
+    facts = _facts.get(node_id)
+    if facts is None or not (_lacks(facts) or facts.driver_side != _driver_content()):
+        return ()
+    with _lock:
+        here = ray.get_runtime_context()
+        job = f"{here.get_node_id()}/{here.get_job_id()}"
+        if _both is None or _both[0] != job:
+            sides = bootstrap.archive(str(_folder()), (str(_driver_folder()), "orchestrator"))
+            _both = (job, ray.put(sides))
+        return (_both[1], both_content())
 
 
 def rank_actor(node_id: str) -> tuple[Any, tuple[Any, ...]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import sys
 import threading
 import time
@@ -28,7 +29,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from orchestrator import shipping
-from orchestrator.connect import cluster, discovery
+from orchestrator.connect import cluster, discovery, rankside
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.job import CANCELLED, FAILED, Job, JobStatus, RankStatus
 from orchestrator.options import Options
@@ -41,6 +42,7 @@ from orchestrator.supervise.supervisor import (
     CONCURRENCY,
     NAMESPACE,
     Outcome,
+    RemoteShell,
     RemoteSupervisor,
     Snapshot,
 )
@@ -395,15 +397,22 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     connect_lasting(options.address)
+    head = _head_node()
+    actor, carry = _supervisor_class(head, name)
     actor_name = registry.supervisor_name(name)
-    handle = RemoteSupervisor.options(  # type: ignore[attr-defined]
+    handle = actor.options(
         name=actor_name,
         namespace=NAMESPACE,
         lifetime="detached",
         num_cpus=0,
         max_concurrency=CONCURRENCY,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node(), soft=False),
-    ).remote(name, _in_cluster(options), ray.get_runtime_context().get_job_id())
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False),
+    ).remote(
+        *carry,
+        name,
+        pickle.dumps(_in_cluster(options), pickle.HIGHEST_PROTOCOL),
+        ray.get_runtime_context().get_job_id(),
+    )
     try:
         ray.get(handle.ready.remote(), timeout=START_TIMEOUT_S)
     except BaseException:
@@ -411,6 +420,16 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
             ray.kill(handle)
         raise
     return handle, actor_name
+
+
+def _supervisor_class(node_id: str, name: str) -> tuple[Any, tuple[Any, ...]]:
+    """The supervisor's actor class on `node_id`, and what its arguments start with: our
+    code, where the node lacks it at the driver's content."""
+    if rankside.needs_nothing():
+        return RemoteSupervisor, ()
+    rankside.check_nodes([node_id], name)
+    carry = rankside.carried_both(node_id)
+    return (RemoteShell if carry else RemoteSupervisor), carry
 
 
 def _head_node() -> str:

@@ -13,6 +13,7 @@ supervisor adds no node whose loss would end jobs that could otherwise go on.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -22,6 +23,7 @@ from typing import Any
 import ray
 
 from orchestrator import _ray_compat
+from orchestrator.connect import bootstrap
 from orchestrator.job import Job, JobStatus
 from orchestrator.options import Options
 from orchestrator.runner import Runner
@@ -82,13 +84,13 @@ class _Kept:
 class Supervisor:
     """Runs one detached function's calls and keeps each job's output and outcome."""
 
-    def __init__(self, name: str, options: Options, driver: str) -> None:
-        """A supervisor of the function named `name`, laid out as `options` say, for the
-        driver of Ray job `driver` (hex id)."""
+    def __init__(self, name: str, options: bytes, driver: str) -> None:
+        """A supervisor of the function named `name`, laid out as `options` (pickled: they
+        are read once our code is on the path) say, for the driver of Ray job `driver`."""
         self.name = name
-        self.options = options
+        self.options: Options = pickle.loads(options)  # noqa: S301 - from our own driver
         self._driver = driver
-        self._runner = Runner(name, options)
+        self._runner = Runner(name, self.options)
         self._jobs: dict[str, _Kept] = {}
         self._lock = threading.Lock()
         self._idle_since = time.monotonic()
@@ -215,4 +217,6 @@ class Supervisor:
 
 
 RemoteSupervisor = ray.remote(Supervisor)
-"""The actor class; made with `supervise.follow.start_supervisor`."""
+"""The actor class where the node has our code at the driver's content."""
+RemoteShell = ray.remote(bootstrap.shell(Supervisor))
+"""The actor class elsewhere: it brings both sides first (see `connect.bootstrap`)."""
