@@ -70,6 +70,20 @@ def test_a_reader_waits_for_what_comes_next():
     assert journal.read(after=page.next, wait_s=0.05).entries == ()  # nothing more: on time
 
 
+def test_closing_wakes_a_waiting_reader_whose_page_then_says_it_has_everything():
+    journal = Journal(ranks=2)
+    journal.write(0, _chunks("a\n", "b\n"))
+    assert not journal.read(after=0).closed  # open: more may come
+    threading.Timer(0.2, journal.close).start()
+    started = time.monotonic()
+    last = journal.read(after=2, wait_s=10)
+    assert last.entries == () and last.closed
+    assert time.monotonic() - started < 5
+    partial = journal.read(after=0, limit=1)  # closed, but this page stops short of the end
+    assert len(partial.entries) == 1 and not partial.closed
+    assert journal.read(after=partial.next).closed
+
+
 def test_replayed_into_a_console_it_shows_what_the_live_console_showed(capsys):
     """A line split across chunks is whole again, and ranks printing alike fold as live."""
     journal = Journal(ranks=8)
@@ -89,3 +103,20 @@ def test_replayed_into_a_console_it_shows_what_the_live_console_showed(capsys):
     replay.flush()
     assert capsys.readouterr().out == shown_live
     assert "[train r0-7] step 2 loss 0.5" in shown_live
+
+
+def test_in_bulk_chunks_become_whole_prefixed_lines_without_ray_s_markers():
+    from orchestrator.show.logs import Bulk
+    from orchestrator_workers.protocol import RAY_MARKERS
+
+    bulk = Bulk("train", "[{name} r{rank}]")
+    marker = RAY_MARKERS[0].decode()
+    assert bulk.lines(1, OutputChunk(1, "stdout", b"a line cut ")) == []
+    assert bulk.lines(0, OutputChunk(1, "stdout", f"{marker} x\nzero\n".encode())) == [
+        "[train r0] zero\n"
+    ]
+    assert bulk.lines(1, OutputChunk(2, "stdout", b"short\nbar 10%\rbar 90%\n10%\r20%")) == [
+        "[train r1] a line cut short\n",
+        "[train r1] bar 90%\n",  # what a terminal shows of a progress bar
+    ]
+    assert bulk.rest() == [("stdout", "[train r1] 20%\n")]

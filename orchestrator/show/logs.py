@@ -255,6 +255,48 @@ class _RankList(str):
             return str(self)
 
 
+class Bulk:
+    """Each rank's chunks made whole lines with their prefixes, without folding or timing:
+    `orchestrator logs` prints everything kept at once (a pipe takes 100,000 lines in
+    well under a second)."""
+
+    def __init__(self, name: str, prefix: str) -> None:
+        """Lines of job `name`, prefixed as `prefix` (with {name} and {rank}) says."""
+        self.name = name
+        self.prefix = prefix
+        self._prefixes: dict[int, str] = {}
+        self._pending: dict[tuple[int, str], str] = {}
+
+    def lines(self, rank: int, chunk: OutputChunk) -> list[str]:
+        """The whole lines `chunk` completes, each prefixed and ending in a newline."""
+        key = (rank, chunk.stream)
+        text = self._pending.pop(key, "") + chunk.data.decode(errors="replace")
+        *whole, rest = text.split("\n")
+        if rest:
+            self._pending[key] = rest
+        prefix = self._prefix(rank)
+        return [
+            f"{prefix}{line}\n" for line in map(_rendered, whole) if not _ray_marker(line)
+        ]
+
+    def rest(self) -> list[tuple[str, str]]:
+        """(stream, line) for each line never ended, in rank order."""
+        found = []
+        for (rank, stream), text in sorted(self._pending.items()):
+            line = _partial(text)
+            if line:
+                found.append((stream, f"{self._prefix(rank)}{line}\n"))
+        self._pending.clear()
+        return found
+
+    def _prefix(self, rank: int) -> str:
+        cached = self._prefixes.get(rank)
+        if cached is None:
+            cached = self.prefix.format(name=self.name, rank=rank)
+            cached = self._prefixes[rank] = f"{cached} " if cached else ""
+        return cached
+
+
 def _ray_marker(line: str) -> bool:
     """Whether `line` is one of Ray's own markers (kept out of the console and the files)."""
     return line.startswith(_RAY_MARKERS)

@@ -46,7 +46,6 @@ from orchestrator.supervise.supervisor import (
     RemoteSupervisor,
     Snapshot,
 )
-from orchestrator_workers import spares
 from orchestrator_workers.states import State
 
 R = TypeVar("R")
@@ -172,6 +171,27 @@ class FollowedJob(Job[R]):
             messages.say(f"job {self.id} runs on in the cluster; {_how_to_get_back(self.id)}",
                          job=self.name)
 
+    def result(self, timeout: float | None = None) -> list[R]:
+        """Each rank's return value, by rank, or the job's error; waits for its end (after
+        `unfollow()`, by watching it again, without showing its output)."""
+        self._watch_quietly()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The job's error, or None once it succeeded; waits as `result` does."""
+        self._watch_quietly()
+        return super().exception(timeout)
+
+    def _watch_quietly(self) -> None:
+        if self.done() or not self._unfollowed.is_set() or self._thread.is_alive():
+            return
+        self._show_output = False
+        self._unfollowed.clear()
+        self._thread = threading.Thread(
+            target=self._follow, args=(None,), name=f"watch {self.id}", daemon=True
+        )
+        self._thread.start()
+
     def __repr__(self) -> str:
         """E.g. <Job train-3f9a1c running (detached)>."""
         state = CANCELLED if self.cancelled() else self._phase
@@ -188,12 +208,15 @@ class FollowedJob(Job[R]):
     def _follow_from(self, backlog: int | None) -> None:
         after = 0
         down_since: float | None = None
-        if backlog is not None:
+        if not self._show_output:  # watching for its end only: from where it is now
+            snapshot = self._look()
+            after = snapshot.position if snapshot is not None else 0
+        elif backlog is not None:
             with contextlib.suppress(RayError, KeyError):
                 after = int(self._ask(self._handle.newest, backlog))
         while not self._unfollowed.is_set():
             try:
-                page = ray.get(
+                page, outcome = ray.get(
                     self._handle.read.remote(self.id, after, PAGE_ENTRIES, READ_WAIT_S),
                     timeout=READ_WAIT_S + ASK_TIMEOUT_S,
                 )
@@ -218,12 +241,11 @@ class FollowedJob(Job[R]):
                 continue
             self._show_page(page)
             after = page.next
-            if page.entries:
-                continue
-            snapshot = self._look()
-            if snapshot is not None and snapshot.done and after >= snapshot.position:
-                self._finish_from(snapshot)
+            if page.closed:  # the job ended, and this is all it wrote
+                self._end(outcome)
                 return
+            if not page.entries:
+                self._look()  # its state moves on (for status, the table, a cell's title)
 
     def _show_page(self, page: Any) -> None:
         if not self._show_output:
@@ -241,15 +263,26 @@ class FollowedJob(Job[R]):
             snapshot: Snapshot = ray.get(
                 self._handle.snapshot.remote(self.id), timeout=ASK_TIMEOUT_S
             )
-            self._snapshot = snapshot
+            before, self._snapshot = self._snapshot, snapshot
+            if self._show_output:
+                self._say_news(before.status if before is not None else None, snapshot.status)
             if not self.done() and snapshot.status.state != self._phase:
-                self._set_phase(snapshot.status.state)
+                self._set_phase(snapshot.status.state, snapshot.status.waiting_for)
         return self._snapshot
 
-    def _finish_from(self, snapshot: Snapshot) -> None:
-        outcome: Outcome | None = None
-        with contextlib.suppress(RayError, GetTimeoutError):
-            outcome = ray.get(self._handle.outcome.remote(self.id, 0.0), timeout=ASK_TIMEOUT_S)
+    def _say_news(self, before: JobStatus | None, now: JobStatus) -> None:
+        """Say what the supervisor said to no one: what the job waits for, a restart, a
+        stall (each once, when it changes)."""
+        if now.waiting_for and (before is None or before.waiting_for != now.waiting_for):
+            messages.say(now.waiting_for, job=self.name)
+        done = len(before.failed_attempts) if before is not None else 0
+        for attempt, why in enumerate(now.failed_attempts[done:], start=done + 1):
+            messages.warn(f"attempt {attempt} failed: {why}; restarting all "
+                          f"{self.num_ranks} ranks (restart {attempt})", job=self.name)
+        if now.stall and (before is None or before.stall != now.stall):
+            messages.warn(now.stall, job=self.name)
+
+    def _end(self, outcome: Outcome | None) -> None:
         self._console.flush()
         if outcome is None:
             self._settle(None, SupervisorLostError(f"job {self.id}: its outcome is gone"))
@@ -265,6 +298,8 @@ class FollowedJob(Job[R]):
 
     def _settle_cancelled(self) -> None:
         _following.discard(self)
+        if self._stop_requested.is_set():
+            return  # cancelled from this process: cancel() settles it
         if _cancel_future(self):
             self._discard()
             self._show(CANCELLED)
@@ -304,8 +339,8 @@ def _cancel_future(job: Job[Any]) -> bool:
 def _cancel_remote(job: Job[Any]) -> None:
     """Job.cancel's stop: the supervisor stops the job's ranks."""
     assert isinstance(job, FollowedJob)
-    job._ask(job._handle.cancel)
     job.unfollow()
+    job._ask(job._handle.cancel)
 
 
 def _how_to_get_back(job_id: str) -> str:
@@ -349,13 +384,16 @@ class Detached:
         payload, uses_torch = shipping.pack(fn, args, kwargs)
         handle = self._supervisor()
         record = registry.new_record(self.name, options, self._supervisor_name or "")
-        ray.get(
-            handle.submit.remote(record.id, payload, uses_torch, _in_cluster(options)),
-            timeout=START_TIMEOUT_S,
-        )
-        registry.keep(record)
-        messages.say(f"detached job {record.id}; {_how_to_get_back(record.id)}", job=self.name)
+        submitted = handle.submit.remote(record, payload, uses_torch, _in_cluster(options))
+        # Its first read goes with the submit (the supervisor waits for the job), not after.
         job: FollowedJob[Any] = FollowedJob(record, handle, in_cell=in_cell, owner=owner)
+        try:
+            ray.get(submitted, timeout=START_TIMEOUT_S)  # its errors, here
+        except BaseException:
+            job.unfollow()
+            job._discard()
+            raise
+        messages.say(f"detached job {record.id}; {_how_to_get_back(record.id)}", job=self.name)
         self.last = self.current = job
         return job
 
@@ -453,10 +491,11 @@ def get_job(id_or_name: str, address: str | None = None, *, show: bool = True) -
             f"job {record.id}: its supervisor {record.supervisor} is gone, so the job is lost "
             "(the head node restarted, or it was stopped)"
         ) from exc
-    if record.code != spares.code_id():
+    if record.code != rankside.both_content():
         messages.warn(
             f"job {record.id} was started by another version of orchestrator (code "
-            f"{record.code}, this one's is {spares.code_id()}); what it reports may differ",
+            f"{record.code}, this one's is {rankside.both_content()}); what it reports may "
+            "differ",
             job=record.name,
         )
     job: FollowedJob[Any] = FollowedJob(record, handle, backlog=BACKLOG_LINES, show=show)

@@ -49,6 +49,9 @@ class Page:
     dropped: dict[int, int] = field(default_factory=dict)
     """By rank, how many lines were dropped so far, for each rank whose dropped output lay
     after the position asked for (a reader says so once, counting from what it was told)."""
+    closed: bool = False
+    """Whether the journal was closed (its job ended) and this page reaches its end: a
+    reader has everything."""
 
 
 @dataclass
@@ -70,6 +73,7 @@ class Journal:
         self.bound = bound
         self._ranks = [_Rank() for _ in range(ranks)]
         self._position = 0
+        self._closed = False
         self._lock = threading.Lock()
         self._grown = threading.Condition(self._lock)
 
@@ -94,19 +98,29 @@ class Journal:
                     kept.dropped_through = old.position
             self._grown.notify_all()
 
+    def close(self) -> None:
+        """No more output comes (the job ended): readers waiting return at once."""
+        with self._lock:
+            self._closed = True
+            self._grown.notify_all()
+
     def read(self, after: int = 0, limit: int = 10_000, wait_s: float = 0.0) -> Page:
         """Up to `limit` entries after position `after`, in arrival order; waits up to
-        `wait_s` for one if there is none yet."""
+        `wait_s` for one if there is none yet (and the journal is open)."""
         with self._lock:
             if wait_s > 0:
-                self._grown.wait_for(lambda: self._position > after, timeout=wait_s)
+                self._grown.wait_for(
+                    lambda: self._position > after or self._closed, timeout=wait_s
+                )
             entries = tuple(_take(self._after(after), limit))
             dropped = {
                 rank: kept.dropped_lines
                 for rank, kept in enumerate(self._ranks)
                 if kept.dropped_through > after
             }
-        return Page(entries, entries[-1].position if entries else after, dropped)
+            end = entries[-1].position if entries else after
+            closed = self._closed and end >= self._position
+        return Page(entries, end, dropped, closed)
 
     def newest(self, lines: int) -> int:
         """The position to read after to get (at least) the newest `lines` lines of output."""

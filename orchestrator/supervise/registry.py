@@ -17,9 +17,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from orchestrator import _ray_compat
+from orchestrator.connect import rankside
 from orchestrator.errors import ConfigError
 from orchestrator.options import Options
-from orchestrator_workers import spares
 
 PREFIX = "jobs/"
 
@@ -48,7 +48,7 @@ class JobRecord:
     user: str
     """Who submitted it, and from where: "alice@laptop"."""
     code: str
-    """The content id of the product's code that submitted it (`spares.code_id()`)."""
+    """The content id of the product's code that submitted it (`rankside.both_content()`)."""
     console: ConsoleOptions
 
 
@@ -66,7 +66,7 @@ def new_record(name: str, options: Options, supervisor: str) -> JobRecord:
         ranks=options.num_replicas,
         started=time.time(),
         user=f"{getpass.getuser()}@{socket.gethostname()}",
-        code=spares.code_id(),
+        code=rankside.both_content(),
         console=ConsoleOptions(options.log_prefix, options.log_ranks, options.fold_output),
     )
 

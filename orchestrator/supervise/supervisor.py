@@ -93,6 +93,7 @@ class Supervisor:
         self._runner = Runner(name, self.options)
         self._jobs: dict[str, _Kept] = {}
         self._lock = threading.Lock()
+        self._added = threading.Condition(self._lock)
         self._idle_since = time.monotonic()
         self._release_now = False
         self._started = time.monotonic()
@@ -103,17 +104,28 @@ class Supervisor:
         """True once the actor is up (the driver waits for it before its first call)."""
         return True
 
-    def submit(self, job_id: str, payload: Payload, uses_torch: bool, options: Options) -> None:
-        """Queue one call, packed by the driver; its job is kept as `job_id`."""
+    def submit(
+        self, record: registry.JobRecord, payload: Payload, uses_torch: bool, options: Options
+    ) -> None:
+        """Queue one call, packed by the driver; its job is kept (and recorded in the
+        cluster, in the background) as `record` says."""
+        job_id = record.id
         journal = Journal(options.num_replicas)
         job = self._runner.submit_packed(payload, uses_torch, options, journal=journal)
+        job.add_done_callback(lambda _: journal.close())  # after its last output is in
         with self._lock:
             self._jobs[job_id] = _Kept(job, journal)
             self._submitted = True
+            self._added.notify_all()
+        threading.Thread(target=registry.keep, args=(record,), daemon=True).start()
 
-    def read(self, job_id: str, after: int, limit: int, wait_s: float) -> Page:
-        """Journal entries of `job_id` after position `after` (see `Journal.read`)."""
-        return self._kept(job_id).journal.read(after, limit, wait_s)
+    def read(
+        self, job_id: str, after: int, limit: int, wait_s: float
+    ) -> tuple[Page, Outcome | None]:
+        """Journal entries of `job_id` after position `after` (see `Journal.read`), and
+        when the page reaches the end of a job that ended, how it ended."""
+        page = self._kept(job_id, wait_s).journal.read(after, limit, wait_s)
+        return page, self.outcome(job_id, 0.0) if page.closed else None
 
     def newest(self, job_id: str, lines: int) -> int:
         """The position to read after to get the newest `lines` lines of each rank."""
@@ -203,8 +215,11 @@ class Supervisor:
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
 
-    def _kept(self, job_id: str) -> _Kept:
+    def _kept(self, job_id: str, wait_s: float = 0.0) -> _Kept:
+        """The job `job_id`, waiting up to `wait_s` for its submit (a follower's first read
+        is sent with it, not after it)."""
         with self._lock:
+            self._added.wait_for(lambda: job_id in self._jobs, timeout=wait_s)
             kept = self._jobs.get(job_id)
         if kept is None:
             raise KeyError(f"{self.name} keeps no job {job_id!r} (released?)")

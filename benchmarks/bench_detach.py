@@ -1,0 +1,228 @@
+"""Detached jobs (issue 36): the warm call beside a live one, getting a job back, `orchestrator
+logs` into a pipe, and the output latency while a driver follows.
+
+    python -m benchmarks.bench_detach [--repeats 40] [--lines 100000]
+
+Starts its own cluster (`ray.cluster_utils.Cluster`, one head of 40 logical CPUs: a live and
+a detached 16-rank pool side by side; its own temp dir).
+Prints one table. Goals: a detached warm call costs at most one extra Ray round trip at 4
+ranks (about 2 ms here) and at most 1.2x at 16; a 16-rank job that printed 100,000 lines is
+got back (table and newest 1,000 lines shown) in under 1 s, and `orchestrator logs` pipes
+all of it in under 2 s; a followed job's lines arrive with p50 <= 20 ms, p99 <= 100 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _noop() -> None:
+    return None
+
+
+def _print_then_wait(lines: int, go: str) -> int:
+    """Print `lines` numbered lines, then wait until the file `go` exists."""
+    rank = os.environ["RANK"]
+    for i in range(lines):
+        print(f"rank {rank} line {i} of a training log")
+    sys.stdout.flush()
+    while not os.path.exists(go):
+        time.sleep(0.05)
+    return lines
+
+
+def _timed_prints(samples: int, gap_s: float) -> int:
+    for i in range(samples):
+        print(f"sample {i} at {time.time():.6f}", flush=True)
+        time.sleep(gap_s)
+    return samples
+
+
+class _Counter(io.TextIOBase):
+    """Stands in for stdout: counts lines, notes when the n-th came, and sample latencies."""
+
+    def __init__(self, wanted: int = 0) -> None:
+        self.lines = 0
+        self.wanted = wanted
+        self.reached: float | None = None
+        self.latencies: list[float] = []
+
+    def write(self, text: str) -> int:
+        now = time.time()
+        for line in text.splitlines():
+            self.lines += 1
+            if " at " in line:
+                self.latencies.append((now - float(line.rsplit(" at ", 1)[1])) * 1000)
+        if self.reached is None and self.wanted and self.lines >= self.wanted:
+            self.reached = time.perf_counter()
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _warm_calls(ranks: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Warm no-op calls, live and detached, alternated; each one's seconds."""
+    from orchestrator import distribute
+
+    live = distribute(_noop, num_replicas=ranks, log_dir=False, name=f"live{ranks}")
+    detached = distribute(
+        _noop, num_replicas=ranks, log_dir=False, name=f"detached{ranks}", detach=True
+    )
+    times: dict[str, list[float]] = {"live": [], "detached": []}
+    try:
+        for fn in (live, detached):
+            fn()
+            fn()
+        for _ in range(repeats):
+            for label, fn in (("live", live), ("detached", detached)):
+                started = time.perf_counter()
+                fn()
+                times[label].append(time.perf_counter() - started)
+    finally:
+        live.shutdown()
+        detached.shutdown()
+    return times["live"], times["detached"]
+
+
+def _round_trip(repeats: int) -> float:
+    """The median of one Ray actor call here (an empty method), seconds."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def ping(self) -> None:
+            return None
+
+    echo = Echo.remote()  # type: ignore[attr-defined]
+    ray.get(echo.ping.remote())
+    found = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        ray.get(echo.ping.remote())
+        found.append(time.perf_counter() - started)
+    ray.kill(echo)
+    return statistics.median(found)
+
+
+def _get_back(lines: int, address: str, work: Path) -> dict[str, Any]:
+    """A 16-rank detached job that printed `lines` lines in all and waits: get it back
+    (how long until its table and newest 1,000 lines are shown), and pipe `orchestrator
+    logs` of it (how long for every line)."""
+    from orchestrator import distribute, get_job
+
+    go = work / "go"
+    fn = distribute(_print_then_wait, num_replicas=16, detach=True, name="flood", log_dir=False)
+    real, sys.stdout = sys.stdout, _Counter()
+    try:
+        job = fn.submit(lines // 16, str(go))
+        while job.status().ranks[0].state != "running":
+            time.sleep(0.1)
+        time.sleep(3)  # every line printed and journaled (16 ranks x 6,250 on 2 cores)
+        job.unfollow()
+        counter = _Counter(wanted=1000)
+        sys.stdout = counter
+        started = time.perf_counter()
+        again = get_job(job.id)
+        while counter.reached is None and time.perf_counter() - started < 30:
+            time.sleep(0.001)
+        shown_s = (counter.reached or time.perf_counter()) - started
+    finally:
+        sys.stdout = real
+    again.unfollow()
+    started = time.perf_counter()
+    piped = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "logs", job.id, "--address", address],
+        capture_output=True, text=True, cwd=ROOT, check=False,
+    )
+    logs_s = time.perf_counter() - started
+    go.touch()
+    job.result(timeout=60)
+    job.release()
+    fn.shutdown()
+    return {
+        "shown_s": shown_s,
+        "logs_s": logs_s,
+        "logs_lines": piped.stdout.count("\n"),
+    }
+
+
+def _latency(samples: int) -> list[float]:
+    """Lines of a followed 4-rank detached job at 50 lines/s per rank: ms from print to shown."""
+    from orchestrator import distribute
+
+    fn = distribute(_timed_prints, num_replicas=4, detach=True, name="latency", log_dir=False)
+    fn(1, 0)
+    real, sink = sys.stdout, _Counter()
+    sys.stdout = sink
+    try:
+        fn(samples, 0.02)
+    finally:
+        sys.stdout = real
+        fn.shutdown()
+    return sink.latencies
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--lines", type=int, default=100_000)
+    parser.add_argument("--samples", type=int, default=200)
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bd", dir="/tmp"))
+    os.environ["RAY_TMPDIR"] = str(work)
+    os.environ.pop("RAY_ADDRESS", None)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 40})
+    ray.init(address=cluster.address, log_to_driver=False)
+    os.environ["RAY_ADDRESS"] = cluster.address
+    rows = []
+    try:
+        trip = _round_trip(args.repeats)
+        for ranks in (4, 16):
+            live, detached = _warm_calls(ranks, args.repeats)
+            rows.append((ranks, statistics.median(live), statistics.median(detached)))
+        back = _get_back(args.lines, cluster.address, work)
+        latencies = _latency(args.samples)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(f"\nDetached jobs: {args.repeats} paired warm calls per size; one Ray round trip "
+          f"here {trip * 1000:.2f} ms (median)")
+    print(f"  {'warm no-op call':<34}{'live':>10}{'detached':>10}{'extra':>10}{'ratio':>8}  goal")
+    for ranks, live_s, detached_s in rows:
+        goal = "<= 1 round trip" if ranks == 4 else "<= 1.2x"
+        extra = (detached_s - live_s) * 1000
+        print(f"  {f'{ranks} ranks (ms, median)':<34}{live_s * 1000:>10.2f}"
+              f"{detached_s * 1000:>10.2f}{extra:>10.2f}{detached_s / live_s:>7.2f}x  {goal}")
+    print(f"  get a 16-rank job back ({args.lines:,} lines printed): table and newest 1,000 "
+          f"lines shown in {back['shown_s']:.2f} s (goal < 1 s)")
+    print(f"  orchestrator logs ID | ...: {back['logs_lines']:,} lines in {back['logs_s']:.2f} s "
+          "(goal: all, < 2 s)")
+    print(f"  output latency while following (4 ranks, {len(latencies)} lines): "
+          f"p50 {_percentile(latencies, 0.5):.1f} ms (goal <= 20), "
+          f"p99 {_percentile(latencies, 0.99):.1f} ms (goal <= 100)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
