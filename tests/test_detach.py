@@ -14,7 +14,14 @@ from concurrent.futures import CancelledError
 import pytest
 import ray
 
-from orchestrator import ConfigError, SupervisorLostError, distribute, get_job, list_jobs
+from orchestrator import (
+    ConfigError,
+    DistributedError,
+    SupervisorLostError,
+    distribute,
+    get_job,
+    list_jobs,
+)
 from orchestrator.supervise import registry
 from orchestrator.supervise.supervisor import NAMESPACE
 from tests.helpers import ROOT, wait_for, wait_resources_back
@@ -127,6 +134,55 @@ def test_orchestrator_logs_prints_every_line_and_one_rank_whole(cluster):
     job.release()
     fn.shutdown()
     wait_resources_back()
+
+
+def fail_on_rank_1() -> int:
+    """Rank 1 raises; rank 0 returns."""
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 has a bad batch")
+    return 0
+
+
+def test_a_rank_s_error_is_raised_with_its_root_cause_as_a_live_call_s(cluster):
+    with distribute(fail_on_rank_1, num_replicas=2, replicas_per_node=1, detach=True,
+                    address=cluster.address) as fn:
+        with pytest.raises(DistributedError) as raised:
+            fn()
+        assert isinstance(raised.value, ValueError)  # the root cause's own type too
+        assert raised.value.root_cause.rank == 1
+        assert "rank 1 has a bad batch" in str(raised.value)
+        assert "fail_on_rank_1" in raised.value.root_cause.traceback
+        job = fn._runner.last
+        assert "rank 1 has a bad batch" in job.table().cause  # the table, from the supervisor
+        job.release()
+    wait_resources_back(timeout=30)
+
+
+INTERRUPTED = """from tests.test_detach import count
+from orchestrator import distribute
+fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, address={address!r})
+fn({lines}, 0.1)
+"""
+
+
+def test_ctrl_c_stops_following_not_the_job(cluster):
+    driver = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED.format(address=cluster.address, lines=LINES)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    seen = ""
+    while "line 3\n" not in seen:
+        seen += driver.stdout.readline()
+    driver.send_signal(signal.SIGINT)
+    _, err = driver.communicate(timeout=60)
+    job_id = err.split("detached job ", 1)[1].split(";", 1)[0]
+    assert f"stopped following job {job_id}; it runs on in the cluster" in err, err
+    job = get_job(job_id, show=False)
+    assert job.result(timeout=60) == [0, 10]  # it ran to its end
+    assert _every_line_once(job.logs(0), 0)
+    job.release()
+    wait_resources_back(timeout=30)
 
 
 def test_losing_the_supervisor_fails_the_job_clearly_and_its_ranks_go(cluster):
