@@ -3,6 +3,7 @@ their driver, and any process gets them back whole (docs/usage.md: "Detached job
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,8 +12,10 @@ import textwrap
 import time
 from concurrent.futures import CancelledError
 
+import nbformat
 import pytest
 import ray
+from nbclient import NotebookClient
 
 from orchestrator import (
     ConfigError,
@@ -118,7 +121,7 @@ def test_cancel_from_another_process_stops_the_ranks(cluster):
     wait_resources_back()
 
 
-def test_orchestrator_logs_prints_every_line_and_one_rank_whole(cluster):
+def test_orchestrator_logs_prints_every_line_and_one_rank_whole(cluster, capfd):
     fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
                     address=cluster.address)
     job = fn.submit(LINES, 0.0)
@@ -131,6 +134,11 @@ def test_orchestrator_logs_prints_every_line_and_one_rank_whole(cluster):
     one = subprocess.run([*cli, "--rank", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=False)
     assert one.stdout == "".join(f"rank 1 line {i}\n" for i in range(LINES)), one.stdout
+    # A job recorded by another version of the product says so when it is got back.
+    registry.keep(dataclasses.replace(job.record, code="0" * 16))
+    capfd.readouterr()
+    assert get_job(job.id, show=False).result(timeout=30) == [0, 10]
+    assert "was started by another version of orchestrator" in capfd.readouterr().err
     job.release()
     fn.shutdown()
     wait_resources_back()
@@ -229,3 +237,40 @@ def _supervisors() -> list[str]:
         a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
         if a["namespace"] == NAMESPACE and a["name"].startswith("supervisor-")
     ]
+
+
+def _notebook(*cells: str) -> nbformat.NotebookNode:
+    """Run `cells` in a fresh Jupyter kernel (shut down after); the executed notebook."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, kernel_name="python3", timeout=180).execute()
+    return nb
+
+
+def test_a_notebook_gets_its_job_back_after_a_kernel_restart(cluster):
+    setup = f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom tests.test_detach import count"
+    before = _notebook(
+        setup,
+        "from orchestrator import distribute\n"
+        "fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, "
+        f"address={cluster.address!r})\n"
+        f"job = fn.submit({LINES}, 0.1)\n"
+        "print('ID', job.id)",
+    )  # ... and its kernel is gone: the job is not
+    job_id = _cell_text(before.cells[1]).split("ID ", 1)[1].split()[0]
+    after = _notebook(
+        setup,
+        "import orchestrator\n"
+        f"job = orchestrator.get_job({job_id!r}, address={cluster.address!r})\n"
+        "print('RESULT', job.result())",
+    )
+    shown = _cell_text(after.cells[1])
+    assert "RESULT [0, 10]" in shown, shown
+    assert _every_line_once(shown, 0) and _every_line_once(shown, 1), shown
+    get_job(job_id, show=False).release()
+    wait_resources_back(timeout=30)
+
+
+def _cell_text(cell: nbformat.NotebookNode) -> str:
+    return "".join(
+        out.get("text", "") for out in cell.outputs if out.get("output_type") == "stream"
+    )

@@ -100,13 +100,15 @@ class FollowedJob(Job[R]):
         `distribute(fold_output=...)` (None: as the job's driver asked); `ranks`: the
         ranks shown (None: as the job's driver asked).
         """
-        super().__init__(record.name, record.ranks, _cancel_remote, in_cell=in_cell, owner=owner)
         self.id = record.id
         """The job's id in the cluster: its name and a short random part."""
         self.record = record
         self._handle = handle
         self._snapshot: Snapshot | None = None
         self._unfollowed = threading.Event()
+        self._show_output = show
+        # Last: in a notebook it draws the table at once, which asks the supervisor.
+        super().__init__(record.name, record.ranks, _cancel_remote, in_cell=in_cell, owner=owner)
         self._live_discard()
         options = record.console
         self._console = Console(
@@ -117,7 +119,6 @@ class FollowedJob(Job[R]):
             sink=self._cell.write if self._cell is not None else None,
             fold=options.fold_output if fold is None else fold,
         )
-        self._show_output = show
         _following.add(self)
         self._thread = threading.Thread(
             target=self._follow, args=(backlog,), name=f"follow {self.id}", daemon=True
