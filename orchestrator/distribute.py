@@ -119,6 +119,8 @@ class DistributedFunction(Generic[P, R]):
 
     def pids(self) -> list[int]:
         """Process ids of the warm pool's ranks, by rank (empty before the first call)."""
+        if isinstance(self._runner, Detached):
+            return self._runner.pids()
         pool = self._runner.pool
         return pool.pids() if pool else []
 
@@ -178,6 +180,7 @@ def distribute(
     max_restarts: int = 0,
     restart_on: str = "any",
     detach: bool = False,
+    idle_timeout: float = 600.0,
 ) -> DistributedFunction[P, R]:
     """Make `fn` a function that runs on `num_replicas` ranks of a torch.distributed job.
 
@@ -201,7 +204,9 @@ def distribute(
     a rank's process died or its node was lost), up to N times per call; each rank
     reads the attempt number from RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT).
     `detach=True` supervises each call in the cluster: it runs on when this process exits
-    or dies, and `orchestrator.get_job(job.id)` gets it back from any process.
+    or dies, and `orchestrator.get_job(job.id)` gets it back from any process; its warm
+    ranks wait `idle_timeout` seconds for the next call, which a later driver asking for the
+    same pool (a notebook after a kernel restart) gets too.
     """
     given = {name: value for name, value in locals().items() if name != "fn"}
     options = Options.create(fn, **given)

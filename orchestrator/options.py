@@ -91,6 +91,9 @@ class Options:
     """"any" failure, or only a "crash" (a rank's process died or its node was lost)."""
     detach: bool = False
     """Calls are supervised in the cluster and outlive this process (supervise.follow)."""
+    idle_timeout: float = 600.0
+    """Detached only: seconds its warm pool waits for the next call, from this driver or a
+    later one that asks for the same pool, before it is released."""
 
     @property
     def job_name(self) -> str:
@@ -213,6 +216,10 @@ class Options:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             problems.append(
                 f"max_restarts={self.max_restarts!r}: must be an int >= 0 (0: fail fast)"
+            )
+        if not (_is_number(self.idle_timeout) and self.idle_timeout > 0):
+            problems.append(
+                f"idle_timeout={self.idle_timeout!r}: must be a number of seconds > 0"
             )
         if not isinstance(self.detach, bool):
             problems.append(

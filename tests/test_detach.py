@@ -54,7 +54,8 @@ DRIVER = """\
 import sys
 from tests.test_detach import count
 from orchestrator import distribute
-fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, address={address!r})
+fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, address={address!r},
+                idle_timeout=5)
 job = fn.submit({lines}, 0.1)
 print("JOB", job.id, flush=True)
 job.result()
@@ -94,7 +95,8 @@ def test_a_detached_job_outlives_its_killed_driver_and_is_got_back_whole(cluster
     assert job_id in {found.id for found in list_jobs()}
     job.release()
     assert job_id not in {found.id for found in list_jobs()}
-    wait_for(lambda: not _supervisors(), 30, "the supervisor gone once its jobs were released")
+    # Its warm pool waits idle_timeout (5 s) for a later driver, then goes; then it does.
+    wait_for(lambda: not _supervisors(), 40, "the supervisor gone once its jobs were released")
     wait_resources_back()
 
 
@@ -168,7 +170,8 @@ def test_a_rank_s_error_is_raised_with_its_root_cause_as_a_live_call_s(cluster):
 
 INTERRUPTED = """from tests.test_detach import count
 from orchestrator import distribute
-fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, address={address!r})
+fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, address={address!r},
+                idle_timeout=5)
 fn({lines}, 0.1)
 """
 
@@ -239,6 +242,44 @@ def _supervisors() -> list[str]:
     ]
 
 
+def pid() -> int:
+    """This rank's process id."""
+    return os.getpid()
+
+
+LATER = """\
+from tests.test_detach import pid
+from orchestrator import distribute
+fn = distribute(pid, num_replicas=2, replicas_per_node=1, detach=True, address={address!r},
+                idle_timeout=20, env={env!r})
+job = fn.submit()
+print("PIDS", job.result(), flush=True)
+job.release()
+"""
+
+
+def _later_driver(address: str, env: dict[str, str]) -> tuple[list[int], str]:
+    ran = subprocess.run(
+        [sys.executable, "-c", LATER.format(address=address, env=env)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert ran.returncode == 0, ran.stderr
+    pids = [int(p) for p in ran.stdout.split("PIDS [", 1)[1].split("]", 1)[0].split(",")]
+    return pids, ran.stderr
+
+
+def test_a_later_driver_that_asks_for_the_same_pool_gets_its_warm_ranks(cluster):
+    first, _ = _later_driver(cluster.address, {})  # exits; its ranks stay warm
+    again, said = _later_driver(cluster.address, {})  # the notebook after a restart, say
+    assert again == first, (first, again)
+    assert "using the warm ranks an earlier driver left" in said, said
+    other, said = _later_driver(cluster.address, {"SEED": "1"})  # another env: its own
+    assert set(other).isdisjoint(first) and "using the warm ranks" not in said
+    # Both pools go after their idle_timeout (20 s) without a call; then their supervisors.
+    wait_resources_back(timeout=60)
+    wait_for(lambda: not _supervisors(), 30, "the supervisors gone")
+
+
 def _notebook(*cells: str) -> nbformat.NotebookNode:
     """Run `cells` in a fresh Jupyter kernel (shut down after); the executed notebook."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
@@ -252,7 +293,7 @@ def test_a_notebook_gets_its_job_back_after_a_kernel_restart(cluster):
         setup,
         "from orchestrator import distribute\n"
         "fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, "
-        f"address={cluster.address!r})\n"
+        f"address={cluster.address!r}, idle_timeout=5)\n"
         f"job = fn.submit({LINES}, 0.1)\n"
         "print('ID', job.id)",
     )  # ... and its kernel is gone: the job is not
@@ -271,6 +312,9 @@ def test_a_notebook_gets_its_job_back_after_a_kernel_restart(cluster):
 
 
 def _cell_text(cell: nbformat.NotebookNode) -> str:
+    """What the cell printed on stdout (the table goes to stderr)."""
     return "".join(
-        out.get("text", "") for out in cell.outputs if out.get("output_type") == "stream"
+        out.get("text", "")
+        for out in cell.outputs
+        if out.get("output_type") == "stream" and out.get("name") == "stdout"
     )

@@ -407,6 +407,12 @@ class Detached:
             with contextlib.suppress(RayError, GetTimeoutError):
                 ray.get(self._handle.release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
 
+    def pids(self) -> list[int]:
+        """Process ids of the warm pool's ranks, by rank (empty while it has none)."""
+        if self._handle is None:
+            return []
+        return list(ray.get(self._handle.pids.remote(), timeout=ASK_TIMEOUT_S))
+
     def _supervisor(self) -> Any:
         with self._lock:
             if self._handle is None:
@@ -432,10 +438,17 @@ def connect_lasting(address: str | None) -> None:
 
 
 def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
-    """Start the supervisor of detached function `name` on the head node; (handle, its name)."""
+    """The supervisor of detached function `name`: the one a driver left with a warm pool
+    of the same kind (see `registry.pool_key`), else a new one on the head node; (handle,
+    its name)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     connect_lasting(options.address)
+    key = registry.pool_key(options)
+    left = _adopt(key)
+    if left is not None:
+        messages.say(f"using the warm ranks an earlier driver left ({left[1]})", job=name)
+        return left
     head = _head_node()
     actor, carry = _supervisor_class(head, name)
     actor_name = registry.supervisor_name(name)
@@ -450,7 +463,8 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
         *carry,
         name,
         pickle.dumps(_in_cluster(options), pickle.HIGHEST_PROTOCOL),
-        ray.get_runtime_context().get_job_id(),
+        key,
+        actor_name,
     )
     try:
         ray.get(handle.ready.remote(), timeout=START_TIMEOUT_S)
@@ -458,7 +472,20 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
         with contextlib.suppress(Exception):
             ray.kill(handle)
         raise
+    registry.keep_pool(key, actor_name)
     return handle, actor_name
+
+
+def _adopt(key: str) -> tuple[Any, str] | None:
+    """The supervisor that keeps warm pool `key` for a later driver, if it takes this one."""
+    name = registry.pool_supervisor(key)
+    if name is None:
+        return None
+    with contextlib.suppress(ValueError, RayError, GetTimeoutError):
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+        if ray.get(handle.adopt.remote(), timeout=ASK_TIMEOUT_S):
+            return handle, name
+    return None
 
 
 def _supervisor_class(node_id: str, name: str) -> tuple[Any, tuple[Any, ...]]:

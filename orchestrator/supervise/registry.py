@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
+import hashlib
 import json
+import platform
 import secrets
 import socket
 import time
@@ -22,6 +24,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.options import Options
 
 PREFIX = "jobs/"
+POOLS = "pools/"
 
 
 @dataclass(frozen=True)
@@ -119,3 +122,50 @@ def find(id_or_name: str) -> JobRecord:
         f"no detached job {id_or_name!r} in this cluster; the newest there are: {known} "
         "(`orchestrator jobs` lists them)"
     )
+
+
+def pool_key(options: Options) -> str:
+    """What a warm pool is, as a key: a later driver gets the pool only where it asks for
+    the same name, layout, resources, environment, post-mortem, Python and code."""
+    asked = {
+        "name": options.job_name,
+        "num_replicas": options.num_replicas,
+        "replicas_per_node": options.replicas_per_node,
+        "gpus_per_replica": options.gpus_per_replica,
+        "cpus_per_replica": options.cpus_per_replica,
+        "resources_per_replica": dict(options.resources_per_replica or {}),
+        "env": dict(options.env or {}),
+        "runtime_env": options.runtime_env,
+        "post_mortem": options.post_mortem,
+        "python": platform.python_version(),
+        "code": rankside.both_content(),
+    }
+    text = json.dumps(asked, sort_keys=True, default=repr)
+    return POOLS + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def pool_supervisor(key: str) -> str | None:
+    """The name of the supervisor that keeps the warm pool `key`, if one was recorded."""
+    value = _ray_compat.kv_get(key)
+    return value.decode() if value else None
+
+
+def keep_pool(key: str, supervisor: str) -> None:
+    """Record that `supervisor` keeps the warm pool `key`."""
+    _ray_compat.kv_put(key, supervisor.encode())
+
+
+def forget_pool(key: str, supervisor: str) -> None:
+    """Remove the record of pool `key`, if it is still `supervisor`'s."""
+    if pool_supervisor(key) == supervisor:
+        _ray_compat.kv_delete(key)
+
+
+def pools() -> list[tuple[str, str]]:
+    """(key, supervisor name) of every warm pool recorded."""
+    found = []
+    for key in _ray_compat.kv_keys(POOLS):
+        name = pool_supervisor(key)
+        if name:
+            found.append((key, name))
+    return found

@@ -22,7 +22,6 @@ from typing import Any
 
 import ray
 
-from orchestrator import _ray_compat
 from orchestrator.connect import bootstrap
 from orchestrator.job import Job, JobStatus
 from orchestrator.options import Options
@@ -34,10 +33,6 @@ from orchestrator_workers.protocol import Payload
 
 NAMESPACE = "orchestrator"
 """The Ray namespace of every supervisor, whatever the namespace of the driver that made it."""
-IDLE_S = 600.0
-"""How long a detached function's warm pool waits for its next call, while the driver that
-made the function lives, before it is released. Once that driver is gone, an idle pool is
-released at once: no other driver can call that function."""
 RETENTION_S = 7 * 24 * 3600.0
 """How long a finished job's output and result are kept when nobody releases them."""
 JANITOR_S = 5.0
@@ -84,12 +79,15 @@ class _Kept:
 class Supervisor:
     """Runs one detached function's calls and keeps each job's output and outcome."""
 
-    def __init__(self, name: str, options: bytes, driver: str) -> None:
+    def __init__(self, name: str, options: bytes, pool_key: str, actor_name: str) -> None:
         """A supervisor of the function named `name`, laid out as `options` (pickled: they
-        are read once our code is on the path) say, for the driver of Ray job `driver`."""
+        are read once our code is on the path) say; its warm pool is recorded under
+        `pool_key` for later drivers, with this actor's name `actor_name`."""
         self.name = name
         self.options: Options = pickle.loads(options)  # noqa: S301 - from our own driver
-        self._driver = driver
+        self._pool_key = pool_key
+        self._actor_name = actor_name
+        self._ending = False
         self._runner = Runner(name, self.options)
         self._jobs: dict[str, _Kept] = {}
         self._lock = threading.Lock()
@@ -103,6 +101,29 @@ class Supervisor:
     def ready(self) -> bool:
         """True once the actor is up (the driver waits for it before its first call)."""
         return True
+
+    def adopt(self) -> bool:
+        """A later driver asks for this warm pool: True if it may use it (its idle time
+        starts again), False if this supervisor is ending."""
+        with self._lock:
+            if self._ending:
+                return False
+            self._idle_since = time.monotonic()
+            return True
+
+    def pool_info(self) -> dict[str, Any]:
+        """What its warm pool holds now, for `orchestrator jobs`."""
+        pool = self._runner.pool
+        idle = None if self._runner.busy_with() is not None else time.monotonic() - self._idle_since
+        return {
+            "supervisor": self._actor_name,
+            "name": self.name,
+            "ranks": len(pool.actors) if pool is not None else 0,
+            "cpus": self.options.num_replicas * self.options.cpus_per_replica,
+            "gpus": self.options.num_replicas * (self.options.gpus_per_replica or 0),
+            "idle_s": idle,
+            "idle_timeout": self.options.idle_timeout,
+        }
 
     def submit(
         self, record: registry.JobRecord, payload: Payload, uses_torch: bool, options: Options
@@ -189,8 +210,8 @@ class Supervisor:
         self._runner.shutdown()
 
     def _janitor(self) -> None:
-        """Release the pool after `IDLE_S` without a call, and jobs done `RETENTION_S` ago;
-        with nothing left to keep, end this actor."""
+        """Release the pool after `idle_timeout` without a call, and jobs done `RETENTION_S`
+        ago; with nothing left to keep, end this actor."""
         while True:
             time.sleep(JANITOR_S)
             now = time.monotonic()
@@ -198,20 +219,22 @@ class Supervisor:
             if busy:
                 self._idle_since = now
                 continue
+            idle_timeout = self.options.idle_timeout
             if self._runner.pool is not None and (
-                self._release_now
-                or now - self._idle_since >= IDLE_S
-                or _ray_compat.driver_alive(self._driver) is False
+                self._release_now or now - self._idle_since >= idle_timeout
             ):
                 self._runner.release_if_idle(f"no call for {now - self._idle_since:.0f} s")
+            if self._runner.pool is None and self._submitted:  # no pool for a later driver
+                registry.forget_pool(self._pool_key, self._actor_name)
             with self._lock:
                 for job_id, kept in list(self._jobs.items()):
                     if kept.job.done() and now - kept.done_at(now) >= RETENTION_S:
                         del self._jobs[job_id]
                         registry.forget(job_id)
                 empty = not self._jobs
-            unused = self._submitted or now - self._started >= IDLE_S
-            if empty and unused and self._runner.pool is None:
+                unused = self._submitted or now - self._started >= idle_timeout
+                self._ending = empty and unused and self._runner.pool is None
+            if self._ending:
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
 
