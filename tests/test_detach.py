@@ -275,7 +275,16 @@ def test_a_later_driver_that_asks_for_the_same_pool_gets_its_warm_ranks(cluster)
     assert "using the warm ranks an earlier driver left" in said, said
     other, said = _later_driver(cluster.address, {"SEED": "1"})  # another env: its own
     assert set(other).isdisjoint(first) and "using the warm ranks" not in said
-    # Both pools go after their idle_timeout (20 s) without a call; then their supervisors.
+    cli = [sys.executable, "-m", "orchestrator"]
+    listed = subprocess.run([*cli, "jobs", "--address", cluster.address], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, check=False)
+    pools = listed.stdout.split("warm pools", 1)[-1]
+    held = [line.split()[0] for line in pools.splitlines() if "2 CPU, 2 GPU" in line]
+    assert len(held) == 2, listed.stdout  # what each holds while it waits
+    stopped = subprocess.run([*cli, "stop", held[1], "--address", cluster.address], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert "releases its warm pool" in stopped.stdout, stopped.stdout + stopped.stderr
+    # The other goes after its idle_timeout (20 s) without a call; then both supervisors.
     wait_resources_back(timeout=60)
     wait_for(lambda: not _supervisors(), 30, "the supervisors gone")
 

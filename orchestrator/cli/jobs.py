@@ -18,21 +18,37 @@ PAGE_ENTRIES = 50_000
 
 
 def jobs(address: str | None) -> int:
-    """Print every detached job: id, state, ranks, nodes, age, who started it."""
+    """Print every detached job (id, state, ranks, nodes, age, who started it), then the
+    warm pools that wait for a next call, and what they hold."""
     found = follow.list_jobs(address)
     if not found:
         print("no detached jobs in this cluster (distribute(..., detach=True) makes one)")
-        return 0
-    rows = [("ID", "STATE", "RANKS", "NODES", "STARTED", "BY")]
-    for job in found:
-        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.started))
-        nodes = ",".join(job.nodes) or "-"
-        rows.append((job.id, job.state, str(job.ranks), nodes, started, job.user))
+    else:
+        rows = [("ID", "STATE", "RANKS", "NODES", "STARTED", "BY")]
+        for job in found:
+            started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.started))
+            nodes = ",".join(job.nodes) or "-"
+            rows.append((job.id, job.state, str(job.ranks), nodes, started, job.user))
+        _print_rows(rows)
+    pools = follow.list_pools(address)
+    if pools:
+        print("\nwarm pools (orchestrator stop SUPERVISOR releases one):")
+        rows = [("SUPERVISOR", "NAME", "RANKS", "HOLDS", "IDLE")]
+        for pool in pools:
+            idle = "busy" if pool["idle_s"] is None else (
+                f"{pool['idle_s']:.0f} s of {pool['idle_timeout']:g} s"
+            )
+            holds = f"{pool['cpus']:g} CPU, {pool['gpus']:g} GPU"
+            rows.append((pool["supervisor"], pool["name"], str(pool["ranks"]), holds, idle))
+        _print_rows(rows)
+    return 0
+
+
+def _print_rows(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
         print("  ".join(cells).rstrip())
-    return 0
 
 
 def logs(job_id: str, rank: int | None, keep_following: bool, address: str | None) -> int:
@@ -80,7 +96,10 @@ def _print_kept(handle: Any, job_id: str, bulk: Bulk) -> None:
 
 
 def stop(job_id: str, address: str | None) -> int:
-    """Stop a detached job's ranks."""
+    """Stop a detached job's ranks (or release a warm pool, given its supervisor)."""
+    if job_id.startswith("supervisor-") and follow.release_pool(job_id, address):
+        print(f"{job_id} releases its warm pool (once no job of it runs)")
+        return 0
     job = follow.get_job(job_id, address, show=False)
     if job.cancel():
         print(f"stopped job {job.id}")

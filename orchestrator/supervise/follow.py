@@ -567,6 +567,31 @@ def list_jobs(address: str | None = None) -> list[JobInfo]:
     return found
 
 
+def list_pools(address: str | None = None) -> list[dict[str, Any]]:
+    """Every detached function's warm pool in the cluster: its supervisor, name, ranks, the
+    CPUs and GPUs it holds, how long it has been idle (None: a job runs), its idle_timeout."""
+    connect_lasting(address)
+    found = []
+    for _key, name in registry.pools():
+        with contextlib.suppress(ValueError, RayError, GetTimeoutError):
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            info = ray.get(handle.pool_info.remote(), timeout=ASK_TIMEOUT_S)
+            if info["ranks"]:
+                found.append(info)
+    return found
+
+
+def release_pool(supervisor: str, address: str | None = None) -> bool:
+    """Release the warm pool of `supervisor` once no job of it runs; False if none is kept."""
+    connect_lasting(address)
+    try:
+        handle = ray.get_actor(supervisor, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    ray.get(handle.release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
+    return True
+
+
 _following: weakref.WeakSet[FollowedJob[Any]] = weakref.WeakSet()
 """The detached jobs this process follows now."""
 

@@ -115,12 +115,14 @@ class Supervisor:
         """What its warm pool holds now, for `orchestrator jobs`."""
         pool = self._runner.pool
         idle = None if self._runner.busy_with() is not None else time.monotonic() - self._idle_since
+        ranks = len(pool.actors) if pool is not None else 0
+        asked = pool.request if pool is not None else None
         return {
             "supervisor": self._actor_name,
             "name": self.name,
-            "ranks": len(pool.actors) if pool is not None else 0,
-            "cpus": self.options.num_replicas * self.options.cpus_per_replica,
-            "gpus": self.options.num_replicas * (self.options.gpus_per_replica or 0),
+            "ranks": ranks,
+            "cpus": ranks * asked.cpus_per_replica if asked is not None else 0,
+            "gpus": ranks * asked.gpus_per_replica if asked is not None else 0,
             "idle_s": idle,
             "idle_timeout": self.options.idle_timeout,
         }
