@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
 
 import ray
 
-from orchestrator.show.logs import Bulk
 from orchestrator.supervise import follow, registry
 from orchestrator.supervise.supervisor import NAMESPACE
-
-PAGE_ENTRIES = 50_000
-"""Entries read per request when printing everything kept."""
 
 
 def jobs(address: str | None) -> int:
@@ -62,7 +57,10 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
         sys.stdout.write(ray.get(handle.logs.remote(record.id, rank)))
         return 0
     if not keep_following:
-        _print_kept(handle, record.id, Bulk(record.name, record.console.log_prefix))
+        out, err = ray.get(handle.text.remote(record.id, record.console.log_prefix))
+        sys.stdout.write(out)
+        sys.stderr.write(err)
+        sys.stdout.flush()
         return 0
     shown = None if rank is None else (rank,)
     job = follow.FollowedJob(record, handle, fold=False, ranks=shown)
@@ -72,27 +70,6 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
         job.unfollow(say=True)
         return 130
     return 0 if not job.cancelled() and job.exception() is None else 1
-
-
-def _print_kept(handle: Any, job_id: str, bulk: Bulk) -> None:
-    """Every line the job's journal keeps, in arrival order, to stdout or stderr as written."""
-    after = 0
-    while True:
-        page, _ = ray.get(handle.read.remote(job_id, after, PAGE_ENTRIES, 0.0))
-        out: list[str] = []
-        err: list[str] = []
-        for entry in page.entries:
-            (err if entry.chunk.stream == "stderr" else out).extend(
-                bulk.lines(entry.rank, entry.chunk)
-            )
-        sys.stdout.write("".join(out))
-        sys.stderr.write("".join(err))
-        after = page.next
-        if not page.entries:
-            break
-    for stream, line in bulk.rest():
-        (sys.stderr if stream == "stderr" else sys.stdout).write(line)
-    sys.stdout.flush()
 
 
 def stop(job_id: str, address: str | None) -> int:

@@ -106,6 +106,9 @@ class FollowedJob(Job[R]):
         self._handle = handle
         self._snapshot: Snapshot | None = None
         self._unfollowed = threading.Event()
+        self._following_lock = threading.Lock()
+        self._reading = True
+        """Whether a thread reads the journal now (set before it starts, cleared as it ends)."""
         self._show_output = show
         # Last: in a notebook it draws the table at once, which asks the supervisor.
         super().__init__(record.name, record.ranks, _cancel_remote, in_cell=in_cell, owner=owner)
@@ -184,14 +187,18 @@ class FollowedJob(Job[R]):
         return super().exception(timeout)
 
     def _watch_quietly(self) -> None:
-        if self.done() or not self._unfollowed.is_set() or self._thread.is_alive():
-            return
-        self._show_output = False
-        self._unfollowed.clear()
-        self._thread = threading.Thread(
-            target=self._follow, args=(None,), name=f"watch {self.id}", daemon=True
-        )
-        self._thread.start()
+        with self._following_lock:
+            if self.done() or not self._unfollowed.is_set():
+                return
+            self._show_output = False
+            self._unfollowed.clear()  # a follower still reading goes on, quietly
+            if self._reading:
+                return
+            self._reading = True
+            self._thread = threading.Thread(
+                target=self._follow, args=(None,), name=f"watch {self.id}", daemon=True
+            )
+            self._thread.start()
 
     def __repr__(self) -> str:
         """E.g. <Job train-3f9a1c running (detached)>."""
@@ -205,6 +212,9 @@ class FollowedJob(Job[R]):
             self._follow_from(backlog)
         except SystemExit:  # Ray shuts down in this process (its exit): stop following
             self.unfollow()
+        finally:
+            with self._following_lock:
+                self._reading = False
 
     def _follow_from(self, backlog: int | None) -> None:
         after = 0
@@ -215,7 +225,11 @@ class FollowedJob(Job[R]):
         elif backlog is not None:
             with contextlib.suppress(RayError, KeyError):
                 after = int(self._ask(self._handle.newest, backlog))
-        while not self._unfollowed.is_set():
+        while True:
+            with self._following_lock:
+                if self._unfollowed.is_set():
+                    self._reading = False  # now, under the lock: see _watch_quietly
+                    return
             try:
                 page, outcome = ray.get(
                     self._handle.read.remote(self.id, after, PAGE_ENTRIES, READ_WAIT_S),
@@ -249,7 +263,7 @@ class FollowedJob(Job[R]):
                 self._look()  # its state moves on (for status, the table, a cell's title)
 
     def _show_page(self, page: Any) -> None:
-        if not self._show_output:
+        if not self._show_output or self._unfollowed.is_set():
             return
         for rank, lines in sorted(page.dropped.items()):
             messages.say(f"r{rank}: {lines} older lines were dropped (the journal is bounded)",
@@ -421,8 +435,10 @@ class Detached:
 
 
 def _in_cluster(options: Options) -> Options:
-    """The options a supervisor runs a call with: it is connected, and runs it itself."""
-    return dataclasses.replace(options, detach=False, address=None)
+    """The options a supervisor runs a call with: it is connected, runs it itself, and
+    shows no rank's lines (it journals them, and keeps the log files; its followers show
+    them as this driver asked)."""
+    return dataclasses.replace(options, detach=False, address=None, log_ranks=())
 
 
 def connect_lasting(address: str | None) -> None:

@@ -26,6 +26,7 @@ from orchestrator.connect import bootstrap
 from orchestrator.job import Job, JobStatus
 from orchestrator.options import Options
 from orchestrator.runner import Runner
+from orchestrator.show.logs import Bulk
 from orchestrator.show.notebook import Table
 from orchestrator.supervise import registry
 from orchestrator.supervise.journal import Journal, Page
@@ -149,6 +150,21 @@ class Supervisor:
         when the page reaches the end of a job that ended, how it ended."""
         page = self._kept(job_id, wait_s).journal.read(after, limit, wait_s)
         return page, self.outcome(job_id, 0.0) if page.closed else None
+
+    def text(self, job_id: str, prefix: str) -> tuple[str, str]:
+        """Everything the journal keeps of `job_id`, as whole lines prefixed as `prefix`
+        says (a line not ended yet last): (stdout's, stderr's). In one piece, for
+        `orchestrator logs` into a pipe."""
+        bulk = Bulk(self.name, prefix)
+        out: list[str] = []
+        err: list[str] = []
+        for entry in self._kept(job_id).journal.read(0, limit=1 << 62).entries:
+            (err if entry.chunk.stream == "stderr" else out).extend(
+                bulk.lines(entry.rank, entry.chunk)
+            )
+        for stream, line in bulk.rest():
+            (err if stream == "stderr" else out).append(line)
+        return "".join(out), "".join(err)
 
     def newest(self, job_id: str, lines: int) -> int:
         """The position to read after to get the newest `lines` lines of each rank."""
