@@ -15,13 +15,8 @@ from orchestrator.errors import (
 )
 from orchestrator.job import Job, JobStatus, RankStatus
 from orchestrator.options import CallOptions, default_log_dir
-from orchestrator.supervise.follow import (
-    FollowedJob,
-    JobInfo,
-    SupervisorLostError,
-    get_job,
-    list_jobs,
-)
+from orchestrator.supervise.detached import JobInfo, get_job, list_jobs
+from orchestrator.supervise.follow import FollowedJob, SupervisorLostError
 from orchestrator_workers.protocol import RankFailure
 from orchestrator_workers.states import State
 

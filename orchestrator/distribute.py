@@ -20,7 +20,8 @@ from orchestrator.options import DEFAULT_PREFIX, STALL_AFTER_S, CallOptions, Opt
 from orchestrator.runner import Runner
 from orchestrator.show import notebook
 from orchestrator.show.logs import read_log
-from orchestrator.supervise.follow import Detached, FollowedJob, stop_following
+from orchestrator.supervise.detached import Detached
+from orchestrator.supervise.follow import FollowedJob, stop_following
 
 P = ParamSpec("P")
 R = TypeVar("R")

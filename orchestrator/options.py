@@ -90,7 +90,7 @@ class Options:
     restart_on: str = "any"
     """"any" failure, or only a "crash" (a rank's process died or its node was lost)."""
     detach: bool = False
-    """Calls are supervised in the cluster and outlive this process (supervise.follow)."""
+    """Calls are supervised in the cluster and outlive this process (supervise.detached)."""
     idle_timeout: float = 600.0
     """Detached only: seconds its warm pool waits for the next call, from this driver or a
     later one that asks for the same pool, before it is released."""

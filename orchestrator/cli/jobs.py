@@ -8,27 +8,27 @@ import time
 
 import ray
 
-from orchestrator.supervise import follow, registry
+from orchestrator.supervise import detached, follow, registry
 from orchestrator.supervise.supervisor import NAMESPACE
 
 
 def jobs(address: str | None) -> int:
     """Print every detached job (id, state, ranks, nodes, age, who started it), then the
     warm pools that wait for a next call, and what they hold."""
-    found = follow.list_jobs(address)
+    found = detached.list_jobs(address)
     if not found:
         print("no detached jobs in this cluster (distribute(..., detach=True) makes one)")
     else:
-        rows = [("ID", "STATE", "RANKS", "NODES", "STARTED", "BY")]
+        rows: list[tuple[str, ...]] = [("ID", "STATE", "RANKS", "NODES", "STARTED", "BY")]
         for job in found:
             started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.started))
             nodes = ",".join(job.nodes) or "-"
             rows.append((job.id, job.state, str(job.ranks), nodes, started, job.user))
         _print_rows(rows)
-    pools = follow.list_pools(address)
+    pools = detached.list_pools(address)
     if pools:
         print("\nwarm pools (orchestrator stop SUPERVISOR releases one):")
-        rows = [("SUPERVISOR", "NAME", "RANKS", "HOLDS", "IDLE")]
+        rows = [("SUPERVISOR", "NAME", "RANKS", "HOLDS", "IDLE")]  # a new table
         for pool in pools:
             idle = "busy" if pool["idle_s"] is None else (
                 f"{pool['idle_s']:.0f} s of {pool['idle_timeout']:g} s"
@@ -50,7 +50,7 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
     """Print everything the job's ranks wrote (one rank's whole log with `rank`), then,
     with `keep_following`, what they write next until the job ends; Ctrl-C stops
     following, not the job. The exit status: 0, or 1 when the job failed."""
-    follow.connect_lasting(address)
+    detached.connect_lasting(address)
     record = registry.find(job_id)
     handle = ray.get_actor(record.supervisor, namespace=NAMESPACE)
     if rank is not None and not keep_following:
@@ -63,7 +63,7 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
         sys.stdout.flush()
         return 0
     shown = None if rank is None else (rank,)
-    job = follow.FollowedJob(record, handle, fold=False, ranks=shown)
+    job: follow.FollowedJob[object] = follow.FollowedJob(record, handle, fold=False, ranks=shown)
     try:
         job.exception()
     except KeyboardInterrupt:
@@ -74,10 +74,10 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
 
 def stop(job_id: str, address: str | None) -> int:
     """Stop a detached job's ranks (or release a warm pool, given its supervisor)."""
-    if job_id.startswith("supervisor-") and follow.release_pool(job_id, address):
+    if job_id.startswith("supervisor-") and detached.release_pool(job_id, address):
         print(f"{job_id} releases its warm pool (once no job of it runs)")
         return 0
-    job = follow.get_job(job_id, address, show=False)
+    job = detached.get_job(job_id, address, show=False)
     if job.cancel():
         print(f"stopped job {job.id}")
     else:

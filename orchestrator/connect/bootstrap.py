@@ -35,7 +35,7 @@ PACKAGE = "orchestrator_workers"
 def _files(folder: str) -> list[str]:
     """A package's files below `folder` (its .py files and py.typed, in its subpackages
     too; no caches), as sorted paths relative to it."""
-    found = []
+    found: list[str] = []
     for where, folders, names in os.walk(folder):
         folders[:] = sorted(f for f in folders if not f.startswith((".", "__pycache__")))
         relative = os.path.relpath(where, folder)

@@ -1,1 +1,2 @@
-"""What supervises a job in the cluster, apart from any driver: its output journal, so far."""
+"""A detached job (`distribute(..., detach=True)`): supervised in the cluster, apart from any
+driver, and followed, or got back, from any process."""

@@ -274,5 +274,5 @@ class Supervisor:
 
 RemoteSupervisor = ray.remote(Supervisor)
 """The actor class where the node has our code at the driver's content."""
-RemoteShell = ray.remote(bootstrap.shell(Supervisor))
+RemoteShell: Any = ray.remote(bootstrap.shell(Supervisor))
 """The actor class elsewhere: it brings both sides first (see `connect.bootstrap`)."""

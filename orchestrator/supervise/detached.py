@@ -1,0 +1,297 @@
+"""A detached distributed function's side in the driver: its supervisor started (or a
+warm one adopted), its calls sent, and the cluster's detached jobs found again.
+
+`distribute(..., detach=True)` gives the function a `Detached` in place of a `Runner`: each
+call goes to the function's supervisor and comes back as a `FollowedJob`. Each job is
+recorded in the cluster's key-value store (`supervise.registry`), so `get_job` and
+`list_jobs` find it from any process that reaches the cluster; each warm pool too, so a
+later driver asking for the same pool gets its ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from orchestrator import shipping
+from orchestrator.connect import cluster, discovery, rankside
+from orchestrator.errors import BusyError, ConfigError
+from orchestrator.options import Options
+from orchestrator.show import messages
+from orchestrator.supervise import registry
+from orchestrator.supervise.follow import (
+    ASK_TIMEOUT_S,
+    FollowedJob,
+    SupervisorLostError,
+    how_to_get_back,
+)
+from orchestrator.supervise.supervisor import (
+    CONCURRENCY,
+    NAMESPACE,
+    RemoteShell,
+    RemoteSupervisor,
+)
+
+BACKLOG_LINES = 1_000
+"""Getting a job back shows each rank's newest this many lines, then follows."""
+START_TIMEOUT_S = 120.0
+"""How long a new supervisor may take to start."""
+NO_LASTING_RAY = (
+    "detach=True needs a Ray that outlives this process, and this process would start its "
+    "own (embedded) Ray, which ends with it. Start the local runtime first "
+    "(`orchestrator local start`), or give address= (or RAY_ADDRESS) of a cluster"
+)
+
+
+class Detached:
+    """What a detached function has in place of a `Runner`: its supervisor in the cluster."""
+
+    def __init__(self, name: str, options: Options) -> None:
+        """No supervisor yet: it starts with the first call."""
+        self.name = name
+        self.options = options
+        self._handle: Any = None
+        self._supervisor_name: str | None = None
+        self._lock = threading.Lock()
+        self.last: FollowedJob[Any] | None = None
+        self.current: FollowedJob[Any] | None = None
+        self.pool = None
+        """Always None: the warm pool lives in the supervisor."""
+
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: Options,
+        *,
+        owner: Any = None,
+        in_cell: bool = False,
+    ) -> FollowedJob[Any]:
+        """Send `fn(*args, **kwargs)` to the supervisor; its FollowedJob, at once."""
+        busy = self.last is not None and not self.last.done()
+        if busy and not options.queue:
+            raise BusyError(
+                f"{self.name} is still running an earlier call ({self.last!r}); wait for it "
+                "(job.result()), cancel it, or submit with queue=True to run after it"
+            )
+        payload, uses_torch = shipping.pack(fn, args, kwargs)
+        handle = self._supervisor()
+        record = registry.new_record(self.name, options, self._supervisor_name or "")
+        submitted = handle.submit.remote(record, payload, uses_torch, _in_cluster(options))
+        # Its first read goes with the submit (the supervisor waits for the job), not after.
+        job: FollowedJob[Any] = FollowedJob(record, handle, in_cell=in_cell, owner=owner)
+        try:
+            ray.get(submitted, timeout=START_TIMEOUT_S)  # its errors, here
+        except BaseException:
+            job.unfollow()
+            job._discard()
+            raise
+        messages.say(f"detached job {record.id}; {how_to_get_back(record.id)}", job=self.name)
+        self.last = self.current = job
+        return job
+
+    def shutdown(self) -> None:
+        """Stop following this function's jobs here, and let its supervisor release its
+        warm pool once no job runs (jobs that run go on)."""
+        if self.last is not None:
+            self.last.unfollow(say=True)
+        if self._handle is not None:
+            with contextlib.suppress(RayError, GetTimeoutError):
+                ray.get(self._handle.release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
+
+    def pids(self) -> list[int]:
+        """Process ids of the warm pool's ranks, by rank (empty while it has none)."""
+        if self._handle is None:
+            return []
+        return list(ray.get(self._handle.pids.remote(), timeout=ASK_TIMEOUT_S))
+
+    def _supervisor(self) -> Any:
+        with self._lock:
+            if self._handle is None:
+                self._handle, self._supervisor_name = start_supervisor(self.name, self.options)
+            return self._handle
+
+
+def _in_cluster(options: Options) -> Options:
+    """The options a supervisor runs a call with: it is connected, runs it itself, and
+    shows no rank's lines (it journals them, and keeps the log files; its followers show
+    them as this driver asked)."""
+    return dataclasses.replace(options, detach=False, address=None, log_ranks=())
+
+
+def connect_lasting(address: str | None) -> None:
+    """Connect to a Ray that outlives this process; ConfigError (before starting one) if
+    there is none."""
+    if not ray.is_initialized():
+        given = address or os.environ.get("RAY_ADDRESS")
+        if not given and discovery.local_cluster()[0] is None:
+            raise ConfigError(NO_LASTING_RAY)
+        cluster.connect(address)
+    if cluster.is_embedded():
+        raise ConfigError(NO_LASTING_RAY)
+
+
+def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
+    """The supervisor of detached function `name`: the one a driver left with a warm pool
+    of the same kind (see `registry.pool_key`), else a new one on the head node; (handle,
+    its name)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    connect_lasting(options.address)
+    key = registry.pool_key(options)
+    left = _adopt(key)
+    if left is not None:
+        messages.say(f"using the warm ranks an earlier driver left ({left[1]})", job=name)
+        return left
+    head = _head_node()
+    actor, carry = _supervisor_class(head, name)
+    actor_name = registry.supervisor_name(name)
+    handle = actor.options(
+        name=actor_name,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        num_cpus=0,
+        max_concurrency=CONCURRENCY,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False),
+    ).remote(
+        *carry,
+        name,
+        pickle.dumps(_in_cluster(options), pickle.HIGHEST_PROTOCOL),
+        key,
+        actor_name,
+    )
+    try:
+        ray.get(handle.ready.remote(), timeout=START_TIMEOUT_S)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            ray.kill(handle)
+        raise
+    registry.keep_pool(key, actor_name)
+    return handle, actor_name
+
+
+def _adopt(key: str) -> tuple[Any, str] | None:
+    """The supervisor that keeps warm pool `key` for a later driver, if it takes this one."""
+    name = registry.pool_supervisor(key)
+    if name is None:
+        return None
+    with contextlib.suppress(ValueError, RayError, GetTimeoutError):
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+        if ray.get(handle.adopt.remote(), timeout=ASK_TIMEOUT_S):
+            return handle, name
+    return None
+
+
+def _supervisor_class(node_id: str, name: str) -> tuple[Any, tuple[Any, ...]]:
+    """The supervisor's actor class on `node_id`, and what its arguments start with: our
+    code, where the node lacks it at the driver's content."""
+    if rankside.needs_nothing():
+        return RemoteSupervisor, ()
+    rankside.check_nodes([node_id], name)
+    carry = rankside.carried_both(node_id)
+    return (RemoteShell if carry else RemoteSupervisor), carry
+
+
+def _head_node() -> str:
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return ray.get_runtime_context().get_node_id()  # an old Ray: where this driver runs
+
+
+def get_job(id_or_name: str, address: str | None = None, *, show: bool = True) -> FollowedJob[Any]:
+    """The detached job `id_or_name` (a name: its newest job), followed from here.
+
+    It shows the job's table and each rank's newest lines at once, then follows it.
+    """
+    connect_lasting(address)
+    record = registry.find(id_or_name)
+    try:
+        handle = ray.get_actor(record.supervisor, namespace=NAMESPACE)
+    except ValueError as exc:
+        raise SupervisorLostError(
+            f"job {record.id}: its supervisor {record.supervisor} is gone, so the job is lost "
+            "(the head node restarted, or it was stopped)"
+        ) from exc
+    if record.code != rankside.both_content():
+        messages.warn(
+            f"job {record.id} was started by another version of orchestrator (code "
+            f"{record.code}, this one's is {rankside.both_content()}); what it reports may "
+            "differ",
+            job=record.name,
+        )
+    job: FollowedJob[Any] = FollowedJob(record, handle, backlog=BACKLOG_LINES, show=show)
+    if show:
+        with contextlib.suppress(Exception):
+            print(job.table().text(), file=sys.stderr, flush=True)
+    return job
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """One detached job, as `list_jobs` shows it."""
+
+    id: str
+    name: str
+    state: str
+    """Its State, or "lost" when its supervisor is gone."""
+    ranks: int
+    nodes: tuple[str, ...]
+    """The nodes its ranks run (or ran) on."""
+    started: float
+    """When it was submitted (time.time())."""
+    user: str
+
+
+def list_jobs(address: str | None = None) -> list[JobInfo]:
+    """Every detached job in the cluster, oldest first, with its state now."""
+    connect_lasting(address)
+    found = []
+    for record in registry.records():
+        state, nodes = "lost", ()
+        with contextlib.suppress(ValueError, RayError, GetTimeoutError, KeyError):
+            handle = ray.get_actor(record.supervisor, namespace=NAMESPACE)
+            snapshot = ray.get(handle.snapshot.remote(record.id), timeout=ASK_TIMEOUT_S)
+            state = str(snapshot.status.state)
+            nodes = tuple(sorted({r.node_ip for r in snapshot.status.ranks if r.node_ip}))
+        found.append(
+            JobInfo(record.id, record.name, state, record.ranks, nodes, record.started,
+                    record.user)
+        )
+    return found
+
+
+def list_pools(address: str | None = None) -> list[dict[str, Any]]:
+    """Every detached function's warm pool in the cluster: its supervisor, name, ranks, the
+    CPUs and GPUs it holds, how long it has been idle (None: a job runs), its idle_timeout."""
+    connect_lasting(address)
+    found = []
+    for _key, name in registry.pools():
+        with contextlib.suppress(ValueError, RayError, GetTimeoutError):
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            info = ray.get(handle.pool_info.remote(), timeout=ASK_TIMEOUT_S)
+            if info["ranks"]:
+                found.append(info)
+    return found
+
+
+def release_pool(supervisor: str, address: str | None = None) -> bool:
+    """Release the warm pool of `supervisor` once no job of it runs; False if none is kept."""
+    connect_lasting(address)
+    try:
+        handle = ray.get_actor(supervisor, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    ray.get(handle.release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
+    return True
