@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_logs import _percentile, _timed_prints
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,13 +43,6 @@ def _print_then_wait(lines: int, go: str) -> int:
     while not os.path.exists(go):
         time.sleep(0.05)
     return lines
-
-
-def _timed_prints(samples: int, gap_s: float) -> int:
-    for i in range(samples):
-        print(f"sample {i} at {time.time():.6f}", flush=True)
-        time.sleep(gap_s)
-    return samples
 
 
 class _Counter(io.TextIOBase):
@@ -71,11 +66,6 @@ class _Counter(io.TextIOBase):
 
     def flush(self) -> None:
         pass
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _warm_calls(ranks: int, repeats: int) -> tuple[list[float], list[float]]:

@@ -104,11 +104,6 @@ class DistributedFunction(Generic[P, R]):
         current = self._runner.current
         return current.stacks() if current is not None else {}
 
-    @property
-    def detached(self) -> bool:
-        """Whether its calls are supervised in the cluster and outlive this process."""
-        return self.options.detach
-
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during the last call."""
         last = self._runner.last

@@ -84,6 +84,14 @@ class StopRequested(Exception):
 class BusyError(OrchestratorError):
     """The function's previous call still runs and the caller asked not to queue."""
 
+    @classmethod
+    def still_running(cls, name: str, busy: object) -> BusyError:
+        """The error for a call of `name` while its earlier call `busy` runs."""
+        return cls(
+            f"{name} is still running an earlier call ({busy!r}); wait for it "
+            "(job.result()), cancel it, or submit with queue=True to run after it"
+        )
+
 
 class ClusterUnreachableError(OrchestratorError, ConnectionError):
     """No Ray cluster answers at the address given: names it and what was tried."""

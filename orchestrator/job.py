@@ -269,11 +269,7 @@ class Job(Future[list[R]]):
     def _restarted(self, error: BaseException) -> None:
         """Record a failed attempt that is followed by a restart, and say so."""
         self._failed_attempts.append(summary(error))
-        attempt = len(self._failed_attempts)
-        line = (
-            f"attempt {attempt} failed: {self._failed_attempts[-1]}; "
-            f"restarting all {self.num_ranks} ranks (restart {attempt})"
-        )
+        line = restart_line(len(self._failed_attempts), self._failed_attempts[-1], self.num_ranks)
         if self._cell is not None:
             self._cell.write("stderr", f"[{self.name}] {line}\n")
         else:
@@ -311,6 +307,11 @@ class Job(Future[list[R]]):
         if self._cell is not None:
             with contextlib.suppress(Exception):  # the job settles whatever the display does
                 self._cell.set_title(f"[{self.name}] {ended}")
+
+
+def restart_line(attempt: int, why: str, ranks: int) -> str:
+    """What is said when failed attempt `attempt` (`why`) is followed by a restart."""
+    return f"attempt {attempt} failed: {why}; restarting all {ranks} ranks (restart {attempt})"
 
 
 _live: set[Job[Any]] = set()

@@ -148,10 +148,7 @@ class Runner:
     def _refuse_if_busy(self, options: Options) -> None:
         busy = self.busy_with()
         if busy is not None and not options.queue:
-            raise BusyError(
-                f"{self.name} is still running an earlier call ({busy!r}); wait for it "
-                "(job.result()), cancel it, or submit with queue=True to run after it"
-            )
+            raise BusyError.still_running(self.name, busy)
 
     def stop(self, job: Job[Any]) -> None:
         """Withdraw a queued `job`, or kill its ranks if it runs (a waiting one sees its flag)."""

@@ -9,7 +9,6 @@ import time
 import ray
 
 from orchestrator.supervise import detached, follow, registry
-from orchestrator.supervise.supervisor import NAMESPACE
 
 
 def jobs(address: str | None) -> int:
@@ -52,7 +51,9 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
     following, not the job. The exit status: 0, or 1 when the job failed."""
     detached.connect_lasting(address)
     record = registry.find(job_id)
-    handle = ray.get_actor(record.supervisor, namespace=NAMESPACE)
+    handle = detached.find_supervisor(record.supervisor)
+    if handle is None:
+        raise follow.SupervisorLostError(f"job {record.id}: its supervisor is gone")
     if rank is not None and not keep_following:
         sys.stdout.write(ray.get(handle.logs.remote(record.id, rank)))
         return 0

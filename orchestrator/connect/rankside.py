@@ -72,11 +72,10 @@ _facts: dict[str, NodeFacts] = {}
 """By node id: every node read so far (nodes join later: each is read when first used)."""
 _asked = 0
 """How many nodes this process read by a task (not from what an earlier driver kept)."""
-_archive: tuple[str, ray.ObjectRef] | None = None
-"""Our rank side's archive in the object store, with the driver's connection (its node and
-Ray job) that put it there: a new connection puts it again."""
-_both: tuple[str, ray.ObjectRef] | None = None
-"""The same for the archive of both sides, which a supervisor needs."""
+_archives: dict[str, tuple[str, ray.ObjectRef]] = {}
+"""Our archives in the object store ("rank": the rank side; "both": both sides, which a
+supervisor needs), each with the driver's connection (its node and Ray job) that put it
+there: a new connection puts it again."""
 _driver_torch: str | None = None
 """The torch version the driver compares with; None: its installed one (a test hook)."""
 _always = False
@@ -255,32 +254,34 @@ def _release(version: str) -> str:
 def carried(node_id: str) -> tuple[Any, ...]:
     """What an actor's or task's arguments start with on `node_id`: nothing where the node
     has our rank side; else our archive and its content id, for `bootstrap` to unpack."""
-    global _archive  # noqa: PLW0603 - one driver per process
     facts = _facts.get(node_id)
     if facts is None or not _lacks(facts):
         return ()
-    with _lock:
-        here = ray.get_runtime_context()
-        job = f"{here.get_node_id()}/{here.get_job_id()}"  # job ids start anew per cluster
-        if _archive is None or _archive[0] != job:
-            _archive = (job, ray.put(bootstrap.archive(str(_folder()))))
-        return (_archive[1], content())
+    return (_archive_ref("rank", lambda: bootstrap.archive(str(_folder()))), content())
 
 
 def carried_both(node_id: str) -> tuple[Any, ...]:
     """As `carried`, for an actor that runs the driver side too (a supervisor): nothing
     where the node has both sides at the driver's content."""
-    global _both  # noqa: PLW0603 - one driver per process
     facts = _facts.get(node_id)
     if facts is None or not (_lacks(facts) or facts.driver_side != _driver_content()):
         return ()
+
+    def both() -> bytes:
+        return bootstrap.archive(str(_folder()), (str(_driver_folder()), "orchestrator"))
+
+    return (_archive_ref("both", both), both_content())
+
+
+def _archive_ref(kind: str, make: Callable[[], bytes]) -> ray.ObjectRef:
+    """The archive `kind` in the object store, put once per connection of this driver."""
     with _lock:
         here = ray.get_runtime_context()
-        job = f"{here.get_node_id()}/{here.get_job_id()}"
-        if _both is None or _both[0] != job:
-            sides = bootstrap.archive(str(_folder()), (str(_driver_folder()), "orchestrator"))
-            _both = (job, ray.put(sides))
-        return (_both[1], both_content())
+        job = f"{here.get_node_id()}/{here.get_job_id()}"  # job ids start anew per cluster
+        put = _archives.get(kind)
+        if put is None or put[0] != job:
+            put = _archives[kind] = (job, ray.put(make()))
+        return put[1]
 
 
 def rank_actor(node_id: str) -> tuple[Any, tuple[Any, ...]]:

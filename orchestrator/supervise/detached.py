@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator import shipping
 from orchestrator.connect import cluster, discovery, rankside
@@ -79,12 +80,8 @@ class Detached:
         in_cell: bool = False,
     ) -> FollowedJob[Any]:
         """Send `fn(*args, **kwargs)` to the supervisor; its FollowedJob, at once."""
-        busy = self.last is not None and not self.last.done()
-        if busy and not options.queue:
-            raise BusyError(
-                f"{self.name} is still running an earlier call ({self.last!r}); wait for it "
-                "(job.result()), cancel it, or submit with queue=True to run after it"
-            )
+        if self.last is not None and not self.last.done() and not options.queue:
+            raise BusyError.still_running(self.name, self.last)
         payload, uses_torch = shipping.pack(fn, args, kwargs)
         handle = self._supervisor()
         record = registry.new_record(self.name, options, self._supervisor_name or "")
@@ -146,8 +143,6 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
     """The supervisor of detached function `name`: the one a driver left with a warm pool
     of the same kind (see `registry.pool_key`), else a new one on the head node; (handle,
     its name)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     connect_lasting(options.address)
     key = registry.pool_key(options)
     left = _adopt(key)
@@ -184,10 +179,10 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
 def _adopt(key: str) -> tuple[Any, str] | None:
     """The supervisor that keeps warm pool `key` for a later driver, if it takes this one."""
     name = registry.pool_supervisor(key)
-    if name is None:
+    handle = find_supervisor(name) if name is not None else None
+    if name is None or handle is None:
         return None
-    with contextlib.suppress(ValueError, RayError, GetTimeoutError):
-        handle = ray.get_actor(name, namespace=NAMESPACE)
+    with contextlib.suppress(RayError, GetTimeoutError):
         if ray.get(handle.adopt.remote(), timeout=ASK_TIMEOUT_S):
             return handle, name
     return None
@@ -204,10 +199,18 @@ def _supervisor_class(node_id: str, name: str) -> tuple[Any, tuple[Any, ...]]:
 
 
 def _head_node() -> str:
-    for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
-            return str(node["NodeID"])
+    for node in cluster.nodes():
+        if "node:__internal_head__" in node.resources:
+            return node.node_id
     return ray.get_runtime_context().get_node_id()  # an old Ray: where this driver runs
+
+
+def find_supervisor(name: str) -> Any | None:
+    """The supervisor actor named `name`; None where it is gone."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
 
 
 def get_job(id_or_name: str, address: str | None = None, *, show: bool = True) -> FollowedJob[Any]:
@@ -217,13 +220,12 @@ def get_job(id_or_name: str, address: str | None = None, *, show: bool = True) -
     """
     connect_lasting(address)
     record = registry.find(id_or_name)
-    try:
-        handle = ray.get_actor(record.supervisor, namespace=NAMESPACE)
-    except ValueError as exc:
+    handle = find_supervisor(record.supervisor)
+    if handle is None:
         raise SupervisorLostError(
             f"job {record.id}: its supervisor {record.supervisor} is gone, so the job is lost "
             "(the head node restarted, or it was stopped)"
-        ) from exc
+        )
     if record.code != rankside.both_content():
         messages.warn(
             f"job {record.id} was started by another version of orchestrator (code "
@@ -260,11 +262,12 @@ def list_jobs(address: str | None = None) -> list[JobInfo]:
     found = []
     for record in registry.records():
         state, nodes = "lost", ()
-        with contextlib.suppress(ValueError, RayError, GetTimeoutError, KeyError):
-            handle = ray.get_actor(record.supervisor, namespace=NAMESPACE)
-            snapshot = ray.get(handle.snapshot.remote(record.id), timeout=ASK_TIMEOUT_S)
-            state = str(snapshot.status.state)
-            nodes = tuple(sorted({r.node_ip for r in snapshot.status.ranks if r.node_ip}))
+        handle = find_supervisor(record.supervisor)
+        with contextlib.suppress(RayError, GetTimeoutError, KeyError):
+            if handle is not None:
+                snapshot = ray.get(handle.snapshot.remote(record.id), timeout=ASK_TIMEOUT_S)
+                state = str(snapshot.status.state)
+                nodes = tuple(sorted({r.node_ip for r in snapshot.status.ranks if r.node_ip}))
         found.append(
             JobInfo(record.id, record.name, state, record.ranks, nodes, record.started,
                     record.user)
@@ -278,10 +281,10 @@ def list_pools(address: str | None = None) -> list[dict[str, Any]]:
     connect_lasting(address)
     found = []
     for _key, name in registry.pools():
-        with contextlib.suppress(ValueError, RayError, GetTimeoutError):
-            handle = ray.get_actor(name, namespace=NAMESPACE)
-            info = ray.get(handle.pool_info.remote(), timeout=ASK_TIMEOUT_S)
-            if info["ranks"]:
+        handle = find_supervisor(name)
+        with contextlib.suppress(RayError, GetTimeoutError):
+            info = ray.get(handle.pool_info.remote(), timeout=ASK_TIMEOUT_S) if handle else None
+            if info and info["ranks"]:
                 found.append(info)
     return found
 
@@ -289,9 +292,8 @@ def list_pools(address: str | None = None) -> list[dict[str, Any]]:
 def release_pool(supervisor: str, address: str | None = None) -> bool:
     """Release the warm pool of `supervisor` once no job of it runs; False if none is kept."""
     connect_lasting(address)
-    try:
-        handle = ray.get_actor(supervisor, namespace=NAMESPACE)
-    except ValueError:
+    handle = find_supervisor(supervisor)
+    if handle is None:
         return False
     ray.get(handle.release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
     return True

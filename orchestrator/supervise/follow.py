@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from orchestrator import job as jobs
 from orchestrator.errors import OrchestratorError
-from orchestrator.job import CANCELLED, FAILED, Job, JobStatus, RankStatus
+from orchestrator.job import CANCELLED, Job, JobStatus, RankStatus, restart_line
 from orchestrator.show import messages
 from orchestrator.show.logs import Console
 from orchestrator.show.notebook import Table
@@ -85,7 +86,7 @@ class FollowedJob(Job[R]):
         self._show_output = show
         # Last: in a notebook it draws the table at once, which asks the supervisor.
         super().__init__(record.name, record.ranks, _cancel_remote, in_cell=in_cell, owner=owner)
-        self._live_discard()
+        jobs._live.discard(self)  # a detached job is not stopped at this process's exit
         options = record.console
         self._console = Console(
             record.name,
@@ -214,10 +215,10 @@ class FollowedJob(Job[R]):
             except RayActorError as exc:
                 self._settle_lost(exc)
                 return
-            except (RayError, GetTimeoutError, KeyError) as exc:
-                if isinstance(exc, KeyError):
-                    self._settle(None, KeyError(f"job {self.id} was released by its supervisor"))
-                    return
+            except KeyError:  # raised by the supervisor (Ray's error is one too)
+                self._settle(None, KeyError(f"job {self.id} was released by its supervisor"))
+                return
+            except (RayError, GetTimeoutError) as exc:
                 if down_since is None:
                     down_since = time.monotonic()
                     messages.say(
@@ -265,13 +266,11 @@ class FollowedJob(Job[R]):
             messages.say(now.waiting_for, job=self.name)
         done = len(before.failed_attempts) if before is not None else 0
         for attempt, why in enumerate(now.failed_attempts[done:], start=done + 1):
-            messages.warn(f"attempt {attempt} failed: {why}; restarting all "
-                          f"{self.num_ranks} ranks (restart {attempt})", job=self.name)
+            messages.warn(restart_line(attempt, why, self.num_ranks), job=self.name)
         if now.stall and (before is None or before.stall != now.stall):
             messages.warn(now.stall, job=self.name)
 
     def _end(self, outcome: Outcome | None) -> None:
-        self._console.flush()
         if outcome is None:
             self._settle(None, SupervisorLostError(f"job {self.id}: its outcome is gone"))
         elif outcome.cancelled:
@@ -285,6 +284,7 @@ class FollowedJob(Job[R]):
         self._finish(value, error)
 
     def _settle_cancelled(self) -> None:
+        self._console.flush()
         _following.discard(self)
         if self._stop_requested.is_set():
             return  # cancelled from this process: cancel() settles it
@@ -293,7 +293,6 @@ class FollowedJob(Job[R]):
             self._show(CANCELLED)
 
     def _settle_lost(self, exc: BaseException) -> None:
-        self._phase = FAILED
         self._settle(
             None,
             SupervisorLostError(
@@ -308,11 +307,6 @@ class FollowedJob(Job[R]):
             return ray.get(method.remote(self.id, *args), timeout=ASK_TIMEOUT_S)
         except RayActorError as exc:
             raise SupervisorLostError(f"job {self.id}: its supervisor is gone") from exc
-
-    def _live_discard(self) -> None:
-        from orchestrator import job as jobs
-
-        jobs._live.discard(self)  # a detached job is not stopped at this process's exit
 
 
 def _cancel_future(job: Job[Any]) -> bool:

@@ -49,10 +49,9 @@ class Snapshot:
 
     status: JobStatus
     table: Table
-    done: bool
     position: int
-    """The journal's newest position when this was taken: a follower that has read up to
-    it, and sees `done`, has everything."""
+    """The journal's newest position when this was taken (a follower that only waits for
+    the end reads on from there)."""
 
 
 @dataclass(frozen=True)
@@ -171,10 +170,9 @@ class Supervisor:
         return self._kept(job_id).journal.newest(lines)
 
     def snapshot(self, job_id: str) -> Snapshot:
-        """The job's status and table now, whether it is done, and the journal's position."""
+        """The job's status and table now, and the journal's position."""
         kept = self._kept(job_id)
-        done = kept.job.done()  # before the position: output up to it is all there is
-        return Snapshot(kept.job.status(), kept.job.table(), done, kept.journal.position)
+        return Snapshot(kept.job.status(), kept.job.table(), kept.journal.position)
 
     def outcome(self, job_id: str, wait_s: float) -> Outcome | None:
         """How the job ended, waiting up to `wait_s` for it; None while it runs."""
@@ -187,8 +185,6 @@ class Supervisor:
             return Outcome(cancelled=True)
         try:
             return Outcome(value=job.result(timeout=0))
-        except CancelledError:
-            return Outcome(cancelled=True)
         except BaseException as exc:  # noqa: BLE001 - the job's error, for the follower
             return Outcome(error=exc)
 
