@@ -111,3 +111,20 @@ def test_all_problems_reported_at_once():
     assert "is not callable" in text
     assert "num_replicas=0" in text
     assert "name=''" in text
+
+
+def test_every_package_folder_is_installed_by_a_non_editable_install():
+    """pyproject lists packages one by one: a new subpackage missing there works in the
+    editable install and is absent from a wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    dirs = config["package-dir"]
+    found = set()
+    for name in ("orchestrator", "orchestrator_workers"):
+        top = root / dirs.get(name, name)
+        for init in top.rglob("__init__.py"):
+            parts = init.parent.relative_to(top).parts
+            found.add(".".join((name, *parts)))
+    assert found == listed, f"pyproject's packages {sorted(listed)}; package folders {sorted(found)}"
