@@ -127,4 +127,4 @@ def test_every_package_folder_is_installed_by_a_non_editable_install():
         for init in top.rglob("__init__.py"):
             parts = init.parent.relative_to(top).parts
             found.add(".".join((name, *parts)))
-    assert found == listed, f"pyproject's packages {sorted(listed)}; package folders {sorted(found)}"
+    assert found == listed, f"pyproject: {sorted(listed)}; folders: {sorted(found)}"
