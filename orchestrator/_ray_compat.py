@@ -389,3 +389,16 @@ def driver_alive(job_id: str) -> bool | None:
         _fell_back("job table", exc)
         return None
     return False
+
+
+def auth_headers() -> dict[str, str]:
+    """The headers Ray's clients send for token authentication ({} without a token)."""
+    try:
+        loader = _raylet().AuthenticationTokenLoader.instance()
+    except (ImportError, AttributeError) as exc:  # a Ray without token authentication
+        _fell_back("auth_headers", exc)
+        return {}
+    try:
+        return dict(loader.get_token_for_http_header()) if loader.has_token() else {}
+    except Exception:  # noqa: BLE001 - Ray's "token auth is on and no token was found"
+        return {}

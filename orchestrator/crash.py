@@ -22,7 +22,7 @@ def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
     saved it (read on the rank's own node); numbered on from `shown`."""
     if not info.tail_path:
         return []
-    if info.node_id == ray.get_runtime_context().get_node_id():
+    if info.node_id == cluster.driver_node():
         leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
     else:
         ref = rankside.task(info.node_id, read_tail, info.tail_path, _LEFTOVER_WAIT_S)

@@ -178,8 +178,7 @@ class Pool:
     ) -> None:
         request = self.request
         bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
-        driver_node = ray.get_runtime_context().get_node_id()
-        bundles = placement.order_bundles(bundle_nodes, driver_node)
+        bundles = placement.order_bundles(bundle_nodes, cluster.driver_node())
         self._slots = placement.layout(request.num_replicas, request.replicas_per_node)
         self._bundles = [bundles[slot.node_rank] for slot in self._slots]
         # Local folders in it are uploaded as ray.init uploads the job's (an actor takes URIs).

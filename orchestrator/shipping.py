@@ -21,7 +21,7 @@ import cloudpickle
 import ray
 
 from orchestrator import _ray_compat
-from orchestrator.connect import rankside
+from orchestrator.connect import cluster, rankside
 from orchestrator.errors import ConfigError
 from orchestrator_workers import sharing
 from orchestrator_workers.protocol import Payload
@@ -81,7 +81,7 @@ def forget_buffers(share_key: str, nodes: list[str], pending: list[ray.ObjectRef
         with contextlib.suppress(Exception):  # Ray shut down meanwhile: the sweep remains
             if pending:
                 ray.wait(pending, num_returns=len(pending), timeout=FORGET_WAIT_S)
-            here = ray.get_runtime_context().get_node_id()
+            here = cluster.driver_node()
             for node in nodes:
                 if node == here:
                     sharing.remove(share_key)

@@ -82,9 +82,10 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @contextlib.contextmanager
-def http2_server(status: str, content_type: str) -> Iterator[str]:
+def http2_server(status: str, content_type: str, grpc_status: str = "12") -> Iterator[str]:
     """An HTTP/2 server on 127.0.0.1 answering every call with `status` and `content_type`
-    (and gRPC's UNIMPLEMENTED): its address. A web or gRPC server that is not Ray's."""
+    (and `grpc_status`, by default UNIMPLEMENTED): its address. A web or gRPC server that is
+    not Ray's (or, with UNAUTHENTICATED, one that refuses the caller's token)."""
     import hpack
 
     server = socket.create_server(("127.0.0.1", 0))
@@ -92,7 +93,7 @@ def http2_server(status: str, content_type: str) -> Iterator[str]:
     stop = threading.Event()
     fields = [(":status", status), ("content-type", content_type)]
     if content_type.startswith("application/grpc"):
-        fields.append(("grpc-status", "12"))
+        fields.append(("grpc-status", grpc_status))
 
     def serve(conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):

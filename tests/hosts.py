@@ -6,6 +6,10 @@ starts a Ray head in the first and a worker node in the second, each node's `ray
 run by the Python given for it (this venv's, or one that lacks this package), with or
 without the repository on PYTHONPATH. Drivers then run inside the first namespace.
 
+A third namespace on the bridge is a laptop: no Ray node, and its own /tmp, /dev/shm and
+HOME (empty tmpfs mounts), so that a driver there reaches the cluster only through the
+network (Ray Client, `ray://HEAD:10001`), never by reading the nodes' files.
+
 Everything `boot()` creates (namespaces, links, /etc/netns/<ns>, a temp dir holding the
 Ray nodes' temp dirs, processes) is removed when it exits. Not collected: no tests.
 """
@@ -30,6 +34,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 GCS_PORT = 6379  # each namespace has its own port space
+CLIENT_PORT = 10001  # Ray Client's server on the head (`ray start --head`'s default)
+LAPTOP = 2
+"""The laptop's index in Hosts.namespaces."""
 CPUS_PER_NODE = 4
 START_TIMEOUT_S = 45.0
 STOP_TIMEOUT_S = 10.0
@@ -42,6 +49,7 @@ class Hosts:
     """The two namespaces and the Ray cluster across them."""
 
     namespaces: list[str]
+    """The head's, the worker node's, then the laptop's."""
     ips: list[str]
     interfaces: list[str]
     address: str
@@ -85,6 +93,33 @@ class Hosts:
             f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
             f"stderr:\n{proc.stderr[-8000:]}\n{self.ray_logs()}"
         )
+
+    @property
+    def client_address(self) -> str:
+        """The head's Ray Client server, as a laptop names it."""
+        return f"ray://{self.ips[0]}:{CLIENT_PORT}"
+
+    def laptop_argv(self, argv: Sequence[str], folder: Path) -> list[str]:
+        """`argv` as run on the laptop, in `folder` (seen there as /mnt): empty /tmp,
+        /dev/shm and HOME (/tmp/home) of its own; the nodes' files out of sight."""
+        private = (
+            'mount --bind "$1" /mnt && '
+            "mount -t tmpfs -o mode=1777 laptop-tmp /tmp && "
+            "mount -t tmpfs -o mode=1777 laptop-shm /dev/shm && "
+            'mkdir -m 700 /tmp/home && cd /mnt && shift && exec "$@"'
+        )
+        return self.argv(["sh", "-c", private, "laptop", str(folder), *argv], LAPTOP)
+
+    def laptop_env(self, **more: str) -> dict[str, str]:
+        """The laptop's environment: the token, and nothing that names the nodes' folders."""
+        env = {k: v for k, v in self.env.items() if k not in ("RAY_TMPDIR", "PYTHONPATH")}
+        return {**env, "HOME": "/tmp/home", "TMPDIR": "/tmp", "RAY_ADDRESS": self.client_address,
+                **more}
+
+    def link(self, host: int, up: bool) -> None:
+        """Bring `host`'s link to the bridge up or down."""
+        state = "up" if up else "down"
+        _run("ip", "-n", self.namespaces[host], "link", "set", self.interfaces[host], state)
 
     def ray_logs(self) -> str:
         """The end of `ray start`'s output and of Ray's non-empty .err logs."""
@@ -183,12 +218,13 @@ def _wait_started(proc: subprocess.Popen[bytes], marker: Path, log: Path) -> Non
 def _make_network(
     stack: contextlib.ExitStack, suffix: str
 ) -> tuple[list[str], list[str], list[str]]:
-    """Two host namespaces on a bridge in a third one; (namespaces, ips, interfaces)."""
+    """Three host namespaces (two nodes and a laptop) on a bridge in a fourth one;
+    (namespaces, ips, interfaces)."""
     subnet = f"10.213.{secrets.randbelow(250) + 2}"
     bridge_ns = f"orch-br-{suffix}"
-    hosts = [f"orch-h{i}-{suffix}" for i in range(2)]
-    ips = [f"{subnet}.{i + 1}" for i in range(2)]
-    interfaces = [f"h{i}-{suffix}" for i in range(2)]
+    hosts = [f"orch-h{i}-{suffix}" for i in range(3)]
+    ips = [f"{subnet}.{i + 1}" for i in range(3)]
+    interfaces = [f"h{i}-{suffix}" for i in range(3)]
     hostname = socket.gethostname()
 
     try:
@@ -223,7 +259,8 @@ def _make_network(
             _run("ip", "-n", bridge_ns, "link", "set", f"p{i}", "up")
             _run("ip", "-n", ns, "addr", "add", f"{ips[i]}/24", "dev", interfaces[i])
             _run("ip", "-n", ns, "link", "set", interfaces[i], "up")
-        _run("ip", "netns", "exec", hosts[0], "true")  # needs a mount namespace too
+        for ns in hosts:
+            _run("ip", "netns", "exec", ns, "true")  # needs a mount namespace too
     except RuntimeError as exc:
         pytest.skip(f"cannot build the two hosts' network: {exc}")
     return hosts, ips, interfaces

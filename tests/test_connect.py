@@ -136,6 +136,29 @@ def test_only_a_grpc_answer_counts_as_ray(status: str, content_type: str, answer
             probe.check_reachable(address, "address")
 
 
+@pytest.mark.parametrize("scheme", ["", "ray://"])
+def test_a_server_that_refuses_the_token_is_said_so_at_once(scheme: str) -> None:
+    """gRPC's UNAUTHENTICATED: Ray's own connect would wait 30 s, then say "connection
+    timeout" (through ray://)."""
+    with http2_server("200", "application/grpc", grpc_status="16") as address:
+        found = probe.problem(scheme + address)
+        assert found is not None and found.startswith(probe.REFUSED), found
+        with pytest.raises(ClusterUnreachableError, match="the cluster's token") as raised:
+            probe.check_reachable(scheme + address, "address")
+    assert str(raised.value).startswith(f"the Ray cluster at address='{scheme}{address}'")
+
+
+def test_a_long_token_goes_into_the_probe_s_headers_whole() -> None:
+    """HPACK lengths of 127 and more take more than one byte."""
+    import hpack
+
+    for size in (1, 126, 127, 128, 300, 20_000):
+        value = b"Bearer " + b"t" * size
+        assert hpack.Decoder().decode(probe._literal(b"authorization", value)) == [
+            ("authorization", value.decode())
+        ]
+
+
 def test_ray_s_refusal_of_another_ray_or_python_is_said_in_one_line():
     """Ray's own refusal (its check, given a cluster of another Ray and Python), wrapped."""
     from ray._private.utils import check_version_info

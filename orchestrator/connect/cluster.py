@@ -25,6 +25,10 @@ from orchestrator_workers import private
 _lock = threading.Lock()
 _embedded = False
 _local_runtime = False
+_joined: str | None = None
+"""The address this process last joined (a new Ray Client session goes there again)."""
+_session = 0
+"""How many times this process joined Ray: handles of an earlier session are void."""
 
 
 @dataclass(frozen=True)
@@ -68,17 +72,40 @@ def connect(address: str | None, *, min_cpus: float = 0, standalone: bool = Fals
         return True
 
 
+CLIENT_SERVER_TRIES = 3
+"""Ray Client sessions asked for before giving up on a head whose per-session server dies."""
+_CLIENT_SERVER_DIED = "Starting Ray client server failed"
+
+
 def join(address: str, **init: Any) -> None:
     """`ray.init(address)` (with `init`'s other arguments): the token where it is the local
-    runtime's, and Ray's refusal of another Ray or Python said in one line."""
+    runtime's, and Ray's refusal of another Ray or Python said in one line.
+
+    Through Ray Client, the head forks a server per session, and about one fork in ten
+    dies at birth (ray#63202, a gRPC race in Ray's proxier): that session is asked for again.
+    """
+    global _joined, _session
     tokens.local_token(address)  # only where it is the local runtime's address
-    try:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **init)
-    except RuntimeError as exc:
-        mismatch = version_mismatch(str(exc), address)
-        if mismatch is None:
-            raise
-        raise mismatch from None
+    for attempt in range(1, CLIENT_SERVER_TRIES + 1):
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **init)
+            _joined, _session = address, _session + 1
+            return
+        except ConnectionAbortedError as exc:
+            if _CLIENT_SERVER_DIED not in str(exc) or attempt == CLIENT_SERVER_TRIES:
+                raise
+            messages.say(
+                f"the Ray Client server at {address} failed to start this session (Ray's "
+                f"known fork race, ray#63202); asking again ({attempt + 1} of "
+                f"{CLIENT_SERVER_TRIES})"
+            )
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+        except RuntimeError as exc:
+            mismatch = version_mismatch(str(exc), address)
+            if mismatch is None:
+                raise
+            raise mismatch from None
 
 
 _VERSIONS = re.compile(r"Ray: (\S+)\s+Python: (\S+)")
@@ -139,6 +166,50 @@ def in_lasting_thread(start: Callable[[], None]) -> None:
         raise failure[0]
 
 
+def through_ray_client() -> bool:
+    """Whether this process reaches Ray through Ray Client (`ray://`): it is no Ray node, and
+    may not reach the nodes' own addresses (a laptop)."""
+    return bool(ray.util.client.ray.is_connected())
+
+
+def driver_node() -> str | None:
+    """The Ray node this process runs on; None through Ray Client (its runtime context is
+    the client server's, on the head, not this machine's)."""
+    return None if through_ray_client() else ray.get_runtime_context().get_node_id()
+
+
+def session() -> int:
+    """This process's Ray session: it changes when `rejoin` makes a new one."""
+    return _session
+
+
+def rejoin(seen: int) -> bool:
+    """After Ray Client lost this process's session (the link was down past its grace
+    period, 30 s by default, and the cluster let the session go): a new session to the same
+    address, unless another thread made one since session `seen`. True when connected.
+
+    Whatever belonged to the old session (its non-detached actors, its handles) is gone;
+    detached actors, such as a detached job's supervisor, are found again by name.
+    """
+    with _lock:
+        if _session != seen:
+            return True
+        if _joined is None or not _joined.startswith("ray://"):
+            return False
+        with contextlib.suppress(Exception):  # the old session's client, already broken
+            ray.shutdown()
+        try:
+            join(_joined)
+        except Exception:  # noqa: BLE001 - still unreachable: the caller tries again later
+            return False
+        return True
+
+
+def lost_session(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a Ray call, says Ray Client's session is gone for good."""
+    return isinstance(exc, ConnectionError) and bool(_joined and _joined.startswith("ray://"))
+
+
 def count_nodes(address: str) -> int | None:
     """Live nodes of the cluster at `address`, asked without joining it; None if unknown."""
     tokens.local_token(address)
@@ -158,7 +229,7 @@ def node_lost(node_id: str, timeout: float = 1.0) -> bool:
     """Whether Ray on a node is gone: the GCS says so, or its raylet no longer answers.
 
     The GCS takes its health checks' time (seconds) to notice; a raylet's closed port
-    says it at once.
+    says it at once (asked only from a process that is a node of the cluster).
     """
     try:
         found = [n for n in ray.nodes() if n["NodeID"] == node_id]
@@ -166,6 +237,8 @@ def node_lost(node_id: str, timeout: float = 1.0) -> bool:
         return True
     if not found or not found[0].get("Alive"):
         return True
+    if through_ray_client():  # the nodes' ports may be out of reach: the GCS's word only
+        return False
     address = (found[0]["NodeManagerAddress"], int(found[0]["NodeManagerPort"]))
     try:
         with socket.create_connection(address, timeout=timeout):

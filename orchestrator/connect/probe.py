@@ -33,6 +33,8 @@ def check_reachable(address: str, given_as: str) -> None:
     if why is None:
         return
     local = "give no address to run on this machine"
+    if REFUSED in why:
+        raise ClusterUnreachableError(f"the Ray cluster at {given_as}={address!r} {why}")
     if "does not answer as" in why:
         fix = f"give the address of the cluster's head, or {local}"
     else:
@@ -58,46 +60,59 @@ def problem(address: str) -> str | None:
             reply = sock.recv(9)
             answer: str | None = "no HTTP/2 greeting"
             if len(reply) == 9 and reply[3] == 4:  # SETTINGS
-                answer = _rpc_answer(sock, host_port, int.from_bytes(reply[:3], "big"))
+                skip = int.from_bytes(reply[:3], "big")
+                answer = _rpc_answer(sock, host_port, skip, client=bool(scheme))
     except TimeoutError:
         return f"{host}:{port} did not answer within {REACH_TIMEOUT_S:g} s"
     except OSError as exc:
         return f"connecting to {host}:{port} failed ({exc.strerror or exc})"
-    if answer is None:
-        return None
+    if answer is None or answer.startswith(REFUSED):
+        return answer
     kind = "Ray Client server (ray://)" if scheme else "GCS (`ray start --head --port`)"
     return f"{host}:{port} accepts connections but does not answer as a Ray {kind} would ({answer})"
 
 
-def _rpc_answer(sock: socket.socket, authority: str, skip: int) -> str | None:
+_GCS_CALL = b"/ray.rpc.NodeInfoGcsService/GetClusterId"
+_RAY_CLIENT_CALL = b"/ray.rpc.RayletDriver/ClusterInfo"
+"""A method each server has, so that one with token authentication checks the token."""
+_PING = b"\x08\x06"
+"""ClusterInfoRequest(type=PING), which Ray Client's server answers itself (protobuf)."""
+
+
+def _rpc_answer(
+    sock: socket.socket, authority: str, skip: int, *, client: bool
+) -> str | None:
     """None if the HTTP/2 server on `sock` answers a gRPC call within REACH_TIMEOUT_S; else
     what it did instead.
 
     A gRPC answer is HTTP/2 status 200 with content-type application/grpc, whatever its
-    gRPC status (the method is Ray's GCS's: a Ray Client server says it has none, a GCS
-    with token auth may refuse us). Any other HTTP/2 server (a 404, a reset, silence)
-    would hold Ray's connect for minutes, deaf to signals. One call by hand (Ray ships no
-    gRPC for Python): HEADERS, then an empty message, on stream 1. `skip`: bytes of the
-    server's first frame still unread.
+    gRPC status, but for a refusal of this driver's token (the method is one the server
+    has, so that it checks the token: the GCS's, or the Ray Client server's ping). Any
+    other HTTP/2 server (a 404, a reset, silence) would hold Ray's connect for minutes,
+    deaf to signals. One call by hand (Ray ships no gRPC for Python): HEADERS, then the
+    message, on stream 1. `skip`: bytes of the
+    server's first frame still unread; `client`: the server is Ray Client's (`ray://`).
     """
     import hpack  # only here: decoding the answer's headers (Huffman-coded, indexed)
 
-    def literal(name: bytes, value: bytes) -> bytes:  # HPACK, not indexed, new name
-        return bytes([0, len(name)]) + name + bytes([len(value)]) + value
+    from orchestrator import _ray_compat
 
-    path = b"/ray.rpc.NodeInfoGcsService/GetClusterId"
+    token = _ray_compat.auth_headers()
+    path, body = (_RAY_CLIENT_CALL, _PING) if client else (_GCS_CALL, b"")
+    message = b"\0" + len(body).to_bytes(4, "big") + body  # gRPC: not compressed, length
     block = (
         b"\x83\x86"  # :method POST, :scheme http (HPACK's static table)
-        + b"\x04" + bytes([len(path)]) + path
-        + b"\x01" + bytes([len(authority)]) + authority.encode()
-        + literal(b"content-type", b"application/grpc")
-        + literal(b"te", b"trailers")
+        + b"\x04" + _hpack_string(path)
+        + b"\x01" + _hpack_string(authority.encode())
+        + _literal(b"content-type", b"application/grpc")
+        + _literal(b"te", b"trailers")
+        + b"".join(_literal(k.lower().encode(), v.encode()) for k, v in token.items())
     )
     stream = (1).to_bytes(4, "big")
     sock.sendall(
         bytes([0, 0, 0, 4, 1]) + b"\0\0\0\0"  # SETTINGS ACK
         + len(block).to_bytes(3, "big") + bytes([1, 4]) + stream + block  # HEADERS
-        + (5).to_bytes(3, "big") + bytes([0, 1]) + stream + b"\0\0\0\0\0"  # DATA, END_STREAM
+        + len(message).to_bytes(3, "big") + bytes([0, 1]) + stream + message  # DATA, END_STREAM
     )
     deadline = time.monotonic() + REACH_TIMEOUT_S
     buffer = headers = b""
@@ -129,17 +144,52 @@ def _rpc_answer(sock: socket.socket, authority: str, skip: int) -> str | None:
             elif kind == 9:  # CONTINUATION
                 headers += payload
             if kind in (1, 9) and flags & 0x4:  # END_HEADERS
-                return _grpc_headers(hpack.Decoder(), headers)
+                return _grpc_headers(hpack.Decoder(), headers, sent_token=bool(token))
     return "no answer to a gRPC call"
 
 
-def _grpc_headers(decoder: hpack.Decoder, block: bytes) -> str | None:
-    """None if the header `block` is a gRPC answer's; else what it says instead."""
+REFUSED = "refused"
+"""How the answer of a server that refused this driver's token (or its lack of one) starts."""
+_UNAUTHENTICATED = "16"
+"""gRPC's status code for a call without valid credentials."""
+
+
+def _hpack_string(data: bytes) -> bytes:
+    """`data` as an HPACK string literal, not Huffman-coded (a 7-bit prefixed length)."""
+    if len(data) < 127:
+        return bytes([len(data)]) + data
+    rest, encoded = len(data) - 127, bytearray([127])
+    while rest >= 128:
+        encoded.append(rest % 128 + 128)
+        rest //= 128
+    return bytes([*encoded, rest]) + data
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """A header field in HPACK: a literal not indexed, with a new name."""
+    return b"\0" + _hpack_string(name) + _hpack_string(value)
+
+
+def _grpc_headers(decoder: hpack.Decoder, block: bytes, *, sent_token: bool) -> str | None:
+    """None if the header `block` is a gRPC answer's; else what it says instead (starting
+    with REFUSED where the answer refuses the token sent, or the lack of one)."""
     try:
         fields = {str(name): str(value) for name, value in decoder.decode(block, raw=False)}
     except Exception:  # noqa: BLE001 - hpack's errors: not an answer we can read
         return "headers that are not HTTP/2's"
     status, kind = fields.get(":status", "?"), fields.get("content-type", "none")
     if status == "200" and kind.startswith("application/grpc"):
-        return None
+        if fields.get("grpc-status") != _UNAUTHENTICATED:
+            return None
+        if sent_token:
+            return (
+                f"{REFUSED} this driver's Ray token: give the cluster's token (the "
+                "one its nodes were started with) in RAY_AUTH_TOKEN, or in the file "
+                "RAY_AUTH_TOKEN_PATH names"
+            )
+        return (
+            f"{REFUSED} a driver without its token (Ray's token authentication is "
+            "on there): set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN "
+            "(or in the file RAY_AUTH_TOKEN_PATH names)"
+        )
     return f"it answered a gRPC call with HTTP status {status}, content-type {kind}"

@@ -63,6 +63,8 @@ class Detached:
         self.options = options
         self._handle: Any = None
         self._supervisor_name: str | None = None
+        self._session = 0
+        """The Ray session `_handle` belongs to (see `cluster.rejoin`)."""
         self._lock = threading.Lock()
         self.last: FollowedJob[Any] | None = None
         self.current: FollowedJob[Any] | None = None
@@ -83,9 +85,15 @@ class Detached:
         if self.last is not None and not self.last.done() and not options.queue:
             raise BusyError.still_running(self.name, self.last)
         payload, uses_torch = shipping.pack(fn, args, kwargs)
-        handle = self._supervisor()
-        record = registry.new_record(self.name, options, self._supervisor_name or "")
-        submitted = handle.submit.remote(record, payload, uses_torch, _in_cluster(options))
+        for again in (False, True):
+            try:
+                handle = self._supervisor()
+                record = registry.new_record(self.name, options, self._supervisor_name or "")
+                submitted = handle.submit.remote(record, payload, uses_torch, _in_cluster(options))
+                break
+            except ConnectionError as exc:  # Ray Client's session was lost: a new one, once
+                if again or not cluster.lost_session(exc) or not cluster.rejoin(self._session):
+                    raise
         # Its first read goes with the submit (the supervisor waits for the job), not after.
         job: FollowedJob[Any] = FollowedJob(record, handle, in_cell=in_cell, owner=owner)
         try:
@@ -104,19 +112,26 @@ class Detached:
         if self.last is not None:
             self.last.unfollow(say=True)
         if self._handle is not None:
-            with contextlib.suppress(RayError, GetTimeoutError):
-                ray.get(self._handle.release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
+            with contextlib.suppress(RayError, GetTimeoutError, ConnectionError):
+                ray.get(self._supervisor().release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
 
     def pids(self) -> list[int]:
         """Process ids of the warm pool's ranks, by rank (empty while it has none)."""
         if self._handle is None:
             return []
-        return list(ray.get(self._handle.pids.remote(), timeout=ASK_TIMEOUT_S))
+        return list(ray.get(self._supervisor().pids.remote(), timeout=ASK_TIMEOUT_S))
 
     def _supervisor(self) -> Any:
+        """The supervisor's handle: started with the first call; found again by name in a
+        new Ray Client session (see `cluster.rejoin`), or started anew where it is gone."""
         with self._lock:
+            if self._handle is not None and self._session != cluster.session():
+                assert self._supervisor_name is not None
+                self._handle = find_supervisor(self._supervisor_name)
+                self._session = cluster.session()
             if self._handle is None:
                 self._handle, self._supervisor_name = start_supervisor(self.name, self.options)
+                self._session = cluster.session()
             return self._handle
 
 

@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from orchestrator import job as jobs
+from orchestrator.connect import cluster
 from orchestrator.errors import OrchestratorError
 from orchestrator.job import CANCELLED, Job, JobStatus, RankStatus, restart_line
 from orchestrator.show import messages
@@ -29,7 +30,7 @@ from orchestrator.show.logs import Console
 from orchestrator.show.notebook import Table
 from orchestrator.supervise import registry
 from orchestrator.supervise.registry import JobRecord
-from orchestrator.supervise.supervisor import Outcome, Snapshot
+from orchestrator.supervise.supervisor import NAMESPACE, Outcome, Snapshot
 from orchestrator_workers.states import State
 
 R = TypeVar("R")
@@ -78,6 +79,10 @@ class FollowedJob(Job[R]):
         """The job's id in the cluster: its name and a short random part."""
         self.record = record
         self._handle = handle
+        self._session = cluster.session()
+        """The Ray session `_handle` belongs to (see `cluster.rejoin`)."""
+        self._down_since: float | None = None
+        """Since when the supervisor does not answer (None while it does)."""
         self._snapshot: Snapshot | None = None
         self._unfollowed = threading.Event()
         self._following_lock = threading.Lock()
@@ -123,11 +128,11 @@ class FollowedJob(Job[R]):
         """Everything rank `rank` wrote during this job (so far), from the supervisor's node."""
         if not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank={rank}: job {self.id} has ranks 0-{self.num_ranks - 1}")
-        return str(self._ask(self._handle.logs, rank))
+        return str(self._ask("logs", rank))
 
     def stacks(self) -> dict[int, str]:
         """Each rank's current stacks while the job runs ({} otherwise)."""
-        return dict(self._ask(self._handle.stacks)) if not self.done() else {}
+        return dict(self._ask("stacks")) if not self.done() else {}
 
     def running(self) -> bool:
         """Whether the job's ranks are starting or running."""
@@ -135,7 +140,7 @@ class FollowedJob(Job[R]):
 
     def release(self) -> None:
         """Let the supervisor forget this finished job (its journal and result)."""
-        self._ask(self._handle.release)
+        self._ask("release")
         registry.forget(self.id)
 
     def unfollow(self, say: bool = False) -> None:
@@ -186,19 +191,26 @@ class FollowedJob(Job[R]):
             self._follow_from(backlog)
         except SystemExit:  # Ray shuts down in this process (its exit): stop following
             self.unfollow()
+        except Exception as exc:  # noqa: BLE001 - never leave result() waiting for ever
+            self._settle(
+                None,
+                SupervisorLostError(
+                    f"lost track of job {self.id} ({type(exc).__name__}: {exc}); it may run "
+                    f"on: {how_to_get_back(self.id)}"
+                ),
+            )
         finally:
             with self._following_lock:
                 self._reading = False
 
     def _follow_from(self, backlog: int | None) -> None:
         after = 0
-        down_since: float | None = None
         if not self._show_output:  # watching for its end only: from where it is now
             snapshot = self._look()
             after = snapshot.position if snapshot is not None else 0
         elif backlog is not None:
             with contextlib.suppress(RayError, KeyError):
-                after = int(self._ask(self._handle.newest, backlog))
+                after = int(self._ask("newest", backlog))
         while True:
             with self._following_lock:
                 if self._unfollowed.is_set():
@@ -209,25 +221,18 @@ class FollowedJob(Job[R]):
                     self._handle.read.remote(self.id, after, PAGE_ENTRIES, READ_WAIT_S),
                     timeout=READ_WAIT_S + ASK_TIMEOUT_S,
                 )
-                if down_since is not None:
-                    messages.say(f"reached the supervisor of {self.id} again", job=self.name)
-                down_since = None
             except RayActorError as exc:
                 self._settle_lost(exc)
                 return
             except KeyError:  # raised by the supervisor (Ray's error is one too)
                 self._settle(None, KeyError(f"job {self.id} was released by its supervisor"))
                 return
-            except (RayError, GetTimeoutError) as exc:
-                if down_since is None:
-                    down_since = time.monotonic()
-                    messages.say(
-                        f"cannot reach the supervisor of {self.id} ({type(exc).__name__}); "
-                        f"trying again every {RETRY_S:g} s (the job runs on)",
-                        job=self.name,
-                    )
-                time.sleep(RETRY_S)
+            except (RayError, GetTimeoutError, ConnectionError) as exc:
+                self._unreachable(exc)
                 continue
+            if self._down_since is not None:
+                messages.say(f"reached the supervisor of {self.id} again", job=self.name)
+                self._down_since = None
             self._show_page(page)
             after = page.next
             if page.closed:  # the job ended, and this is all it wrote
@@ -248,7 +253,7 @@ class FollowedJob(Job[R]):
 
     def _look(self) -> Snapshot | None:
         """The supervisor's snapshot now (the last one when it does not answer)."""
-        with contextlib.suppress(RayError, GetTimeoutError):
+        with contextlib.suppress(RayError, GetTimeoutError, ConnectionError):
             snapshot: Snapshot = ray.get(
                 self._handle.snapshot.remote(self.id), timeout=ASK_TIMEOUT_S
             )
@@ -302,9 +307,49 @@ class FollowedJob(Job[R]):
             ),
         )
 
-    def _ask(self, method: Any, *args: Any) -> Any:
+    def _unreachable(self, exc: BaseException) -> None:
+        """The supervisor did not answer (the network is down; or Ray Client's session was
+        lost, and a new one is tried): say so once, and wait to try again."""
+        lost = cluster.lost_session(exc)
+        if isinstance(exc, ConnectionError) and not lost:
+            raise exc
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            why = (
+                f"lost this driver's Ray Client session ({exc}); connecting again"
+                if lost
+                else f"cannot reach the supervisor of {self.id} ({type(exc).__name__}); "
+                "trying again"
+            )
+            messages.say(f"{why} every {RETRY_S:g} s (the job runs on)", job=self.name)
+        if not (lost and self._reconnect()):
+            time.sleep(RETRY_S)
+
+    def _reconnect(self) -> bool:
+        """After Ray Client's session was lost: a new one (see `cluster.rejoin`), and the
+        supervisor found again by name. False while the cluster cannot be reached."""
+        if not cluster.rejoin(self._session):
+            return False
         try:
-            return ray.get(method.remote(self.id, *args), timeout=ASK_TIMEOUT_S)
+            handle = ray.get_actor(self.record.supervisor, namespace=NAMESPACE)
+        except ValueError:  # connected, and the supervisor is gone: settled by the next read
+            return True
+        except ConnectionError:
+            return False
+        self._handle, self._session = handle, cluster.session()
+        return True
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        """The supervisor's method `method` on this job, called with `args`; its answer."""
+        try:
+            try:
+                call = getattr(self._handle, method).remote(self.id, *args)
+                return ray.get(call, timeout=ASK_TIMEOUT_S)
+            except ConnectionError as exc:  # Ray Client's session lost: once more, in a new one
+                if not cluster.lost_session(exc) or not self._reconnect():
+                    raise
+                call = getattr(self._handle, method).remote(self.id, *args)
+                return ray.get(call, timeout=ASK_TIMEOUT_S)
         except RayActorError as exc:
             raise SupervisorLostError(f"job {self.id}: its supervisor is gone") from exc
 
@@ -322,7 +367,7 @@ def _cancel_remote(job: Job[Any]) -> None:
     """Job.cancel's stop: the supervisor stops the job's ranks."""
     assert isinstance(job, FollowedJob)
     job.unfollow()
-    job._ask(job._handle.cancel)
+    job._ask("cancel")
 
 
 def how_to_get_back(job_id: str) -> str:
