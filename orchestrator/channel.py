@@ -19,7 +19,7 @@ from ray.exceptions import RayActorError
 
 from orchestrator import crash
 from orchestrator.options import FOLD_FROM_RANKS
-from orchestrator_workers.protocol import EXIT_STREAM, STATE_STREAM, OutputChunk
+from orchestrator_workers.protocol import EXIT_STREAM, STATE_STREAM, OutputChunk, unwire
 
 if TYPE_CHECKING:
     from orchestrator.pool import Pool
@@ -63,7 +63,7 @@ class RankChannel:
         rank is gone."""
         ref, self.drain = self.drain, None
         assert ref is not None, "take() without a request"
-        chunks: list[OutputChunk] = ray.get(ref)
+        chunks: list[OutputChunk] = unwire(ray.get(ref))
         if chunks:  # the pseudo-streams' chunks count as taken in too
             self.shown = max(self.shown, chunks[-1].seq)
         return chunks

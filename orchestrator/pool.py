@@ -25,7 +25,7 @@ from orchestrator.placement import Request
 from orchestrator.show import messages, notices, text
 from orchestrator_workers import environment, handoff
 from orchestrator_workers.environment import order_devices
-from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec, RemoteNode
+from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec, RemoteNode, unwire
 from orchestrator_workers.states import State
 
 _WAIT_NOTICE_S = 1.0
@@ -234,7 +234,8 @@ class Pool:
         ).remote(*carry, self.name, rank, dict(self._env), preload_torch=self._preload_torch)
 
     def _infos(self, ranks: Iterable[int]) -> list[NodeInfo]:
-        infos: list[NodeInfo] = self._get([self.actors[rank].info.remote() for rank in ranks])
+        wired = self._get([self.actors[rank].info.remote() for rank in ranks])
+        infos: list[NodeInfo] = [unwire(info) for info in wired]
         notices.quiet_crash_notices([info.pid for info in infos])
         return infos
 
@@ -281,7 +282,9 @@ class Pool:
         ]
         tree = int(os.environ.get(handoff.TREE, handoff.TREE_NODES))
         self.others = ()
-        if len(self.nodes) >= tree:
+        # Through Ray Client rank 0 would get the others' handles from a server that may
+        # lack this package: the driver calls each node's first rank itself.
+        if len(self.nodes) >= tree and not cluster.through_ray_client():
             self.others = tuple(
                 RemoteNode(self.actors[node.ranks[0]], node.ranks, node.peers)
                 for node in self.nodes[1:]

@@ -95,20 +95,36 @@ class Hosts:
         )
 
     @property
+    def node_ips(self) -> list[str]:
+        """The Ray nodes' addresses: the head's, then the worker node's."""
+        return self.ips[:LAPTOP]
+
+    @property
     def client_address(self) -> str:
         """The head's Ray Client server, as a laptop names it."""
         return f"ray://{self.ips[0]}:{CLIENT_PORT}"
 
     def laptop_argv(self, argv: Sequence[str], folder: Path) -> list[str]:
         """`argv` as run on the laptop, in `folder` (seen there as /mnt): empty /tmp,
-        /dev/shm and HOME (/tmp/home) of its own; the nodes' files out of sight."""
+        /dev/shm and HOME (/tmp/home) of its own; the nodes' files out of sight. The
+        repository and this venv stay where they are (a clone in /tmp too: the laptop has
+        the package installed)."""
+        keep = _under_tmp([REPO, Path(sys.prefix)])
         private = (
-            'mount --bind "$1" /mnt && '
-            "mount -t tmpfs -o mode=1777 laptop-tmp /tmp && "
-            "mount -t tmpfs -o mode=1777 laptop-shm /dev/shm && "
-            'mkdir -m 700 /tmp/home && cd /mnt && shift && exec "$@"'
+            "set -e; "
+            "mount -t tmpfs laptop-hold /media; "
+            'mount --bind "$1" /mnt; shift; '
+            'i=0; while [ "$1" != -- ]; do mkdir /media/$i; mount --bind "$1" /media/$i; '
+            'eval "k$i=\\$1"; i=$((i + 1)); shift; done; shift; '
+            "mount -t tmpfs -o mode=1777 laptop-tmp /tmp; "
+            "mount -t tmpfs -o mode=1777 laptop-shm /dev/shm; "
+            'j=0; while [ $j -lt $i ]; do eval "p=\\$k$j"; mkdir -p "$p"; '
+            'mount --bind /media/$j "$p"; j=$((j + 1)); done; '
+            'mkdir -m 700 /tmp/home; cd /mnt; exec "$@"'
         )
-        return self.argv(["sh", "-c", private, "laptop", str(folder), *argv], LAPTOP)
+        carried = [str(p) for p in keep]
+        return self.argv(["sh", "-c", private, "laptop", str(folder), *carried, "--", *argv],
+                         LAPTOP)
 
     def laptop_env(self, **more: str) -> dict[str, str]:
         """The laptop's environment: the token, and nothing that names the nodes' folders."""
@@ -124,6 +140,13 @@ class Hosts:
     def ray_logs(self) -> str:
         """The end of `ray start`'s output and of Ray's non-empty .err logs."""
         return _ray_logs(self.tmp)
+
+
+def _under_tmp(paths: Sequence[Path]) -> list[Path]:
+    """Those of `paths` under /tmp, none inside another."""
+    tmp = Path("/tmp")
+    found = sorted({p.resolve() for p in paths if p.resolve().is_relative_to(tmp)})
+    return [p for p in found if not any(p != q and p.is_relative_to(q) for q in found)]
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:

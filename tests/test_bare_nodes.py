@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from tests.helpers import write
-from tests.hosts import RAY_ADDRESS_FILE, REPO, Hosts, boot
+from tests.hosts import LAPTOP, RAY_ADDRESS_FILE, REPO, Hosts, boot
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -267,7 +267,7 @@ def _read(path: Path) -> str:
 def test_each_node_s_ray_runs_its_own_environment(two_hosts, node_envs, report):
     nodes = report.section("environment")["nodes"]
     executables = {n["node_ip"]: n["executable"] for n in nodes}
-    assert executables == dict(zip(two_hosts.ips, map(str, node_envs.pythons), strict=True))
+    assert executables == dict(zip(two_hosts.node_ips, map(str, node_envs.pythons), strict=True))
 
 
 # --- the batched driver's scenarios ----------------------------------------------------------
@@ -352,7 +352,7 @@ def test_a_torch_mismatch_warns_once_per_node(two_hosts, report):
     assert "where" in scenario, f"{scenario.get('where_error')}\n{report.show()}"
     nodes_torch = torch.__version__.split("+")[0]
     assert {r["torch"].split("+")[0] for r in scenario["where"]} == {nodes_torch}
-    ips = ", ".join(two_hosts.ips)
+    ips = ", ".join(two_hosts.node_ips)
     expected = (
         f"[where] nodes run another torch than this driver ({FAKE_TORCH}): {nodes_torch} on "
         f"{ips}; install torch=={FAKE_TORCH} there, or torch=={nodes_torch} here"
@@ -585,3 +585,164 @@ def test_each_node_s_address_file_stays_in_its_private_temp_dir(two_hosts, repor
         recorded = (h.temp_dir(host) / "ray_current_cluster").read_text().strip()
         assert recorded == h.address
     assert h.address not in _read(RAY_ADDRESS_FILE), f"{RAY_ADDRESS_FILE} was written"
+
+
+# --- the laptop: a driver that is no Ray node, through Ray Client ---------------------------
+
+LAPTOP_DRIVER = Path(__file__).resolve().parent / "laptop_driver.py"
+LAPTOP_TIMEOUT_S = 600
+GRACE_S = 8
+"""Ray Client's reconnect grace period, which the laptop asks for (Ray's default is 30 s):
+once its link is down longer, the cluster lets the session go. Shortened to keep the test
+short; the link stays down well past it."""
+LINK_DOWN_S = 20
+
+
+@dataclass
+class LaptopReport:
+    """What the laptop's driver wrote and printed, and when its link was down."""
+
+    scenarios: dict[str, Any]
+    stdout: str
+    stderr: str
+    returncode: int | None
+    link: dict[str, Any]
+    hosts: Hosts
+
+    def section(self, name: str) -> dict[str, Any]:
+        """Scenario `name`'s entry; fail with the driver's output if it raised or is missing."""
+        entry = self.scenarios.get(name)
+        if entry is None or "error" in entry:
+            pytest.fail(f"laptop scenario {name}: {entry}\n{self.show()}")
+        return entry
+
+    def show(self) -> str:
+        """For a failed assertion: the laptop's status and output, the link, the nodes' logs."""
+        return (
+            f"laptop exit {self.returncode}, link {self.link}\nstdout:\n{self.stdout[-6000:]}"
+            f"\nstderr:\n{self.stderr[-10000:]}\n{self.hosts.ray_logs()}"
+        )
+
+
+def _cut_link(hosts: Hosts, link: dict[str, Any]) -> None:
+    """Take the laptop's link down for LINK_DOWN_S, and close both ends of its connections
+    to the head, as a sleeping laptop's are closed in the end (by keepalives, or a new
+    network's address): the cluster then counts the grace period down."""
+    laptop, head = hosts.ips[LAPTOP], hosts.ips[0]
+    link["down_at"] = time.monotonic()
+    hosts.link(LAPTOP, up=False)
+    for host, peer in ((0, laptop), (LAPTOP, head)):
+        killed = subprocess.run(
+            hosts.argv(["ss", "-K", "dst", peer], host), capture_output=True, text=True,
+            timeout=30, check=False,
+        )  # fmt: skip
+        link.setdefault("closed", []).append(max(0, killed.stdout.count("\n") - 1))
+    time.sleep(LINK_DOWN_S)
+    hosts.link(LAPTOP, up=True)
+    link["down_s"] = round(time.monotonic() - link["down_at"], 1)
+
+
+@pytest.fixture(scope="module")
+def laptop(two_hosts: Hosts, project: Path, report: Report) -> LaptopReport:
+    """tests/laptop_driver.py, run once on the laptop (after the node-side driver: they would
+    share the nodes' CPUs); its link taken down while its detached job runs."""
+    h = two_hosts
+    folder = h.tmp / "laptop"
+    folder.mkdir()
+    shutil.copy(LAPTOP_DRIVER, folder / LAPTOP_DRIVER.name)
+    shutil.copy(project / "readme_example.py", folder / "readme_example.py")
+    argv = h.laptop_argv([sys.executable, LAPTOP_DRIVER.name, "/mnt/report.json"], folder)
+    env = h.laptop_env(RAY_CLIENT_RECONNECT_GRACE_PERIOD=str(GRACE_S))
+    link: dict[str, Any] = {}
+    started = time.monotonic()
+    with (folder / "out.log").open("w") as out, (folder / "err.log").open("w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, text=True)
+        try:
+            deadline = started + LAPTOP_TIMEOUT_S
+            while not (folder / "started").exists() and proc.poll() is None:
+                assert time.monotonic() < deadline, "the laptop's detached job never started"
+                time.sleep(0.1)
+            if proc.poll() is None:
+                time.sleep(1)  # some lines first
+                _cut_link(h, link)
+            returncode: int | None = proc.wait(max(1, deadline - time.monotonic()))
+        except (subprocess.TimeoutExpired, AssertionError):
+            proc.kill()
+            proc.wait()
+            returncode = None
+        finally:
+            h.link(LAPTOP, up=True)
+    print(f"\nlaptop: driver {time.monotonic() - started:.1f} s, link {link}")
+    path = folder / "report.json"
+    scenarios = json.loads(path.read_text()) if path.exists() else {}
+    print({name: e.get("seconds") for name, e in scenarios.items() if isinstance(e, dict)})
+    return LaptopReport(
+        scenarios, _read(folder / "out.log"), _read(folder / "err.log"), returncode, link, h
+    )
+
+
+def test_the_laptop_sees_none_of_the_nodes_files(laptop):
+    assert laptop.scenarios.get("tmp") == ["home"], laptop.show()  # its own, empty /tmp
+    assert laptop.scenarios.get("home") == "/tmp/home"
+
+
+def test_a_laptop_without_the_cluster_s_token_is_refused_at_once_and_told_why(laptop):
+    found = laptop.section("tokens")
+    none, wrong = found["none"], found["wrong"]
+    assert none["exit"] != 0 and wrong["exit"] != 0, found
+    assert "refused a driver without its token" in none["last"], found
+    assert "RAY_AUTH_MODE=token" in none["last"], found
+    assert "refused this driver's Ray token" in wrong["last"], found
+    assert none["seconds"] < 15 and wrong["seconds"] < 15, found  # Ray's own: 30 s, unclear
+
+
+def test_the_readme_example_runs_from_the_laptop(laptop):
+    laptop.section("readme")
+    for rank in range(4):
+        for epoch in range(5):
+            assert f"[train_loop r{rank}] Rank {rank}: Epoch {epoch}, Loss" in laptop.stdout, (
+                laptop.show()
+            )
+
+
+def test_a_rank_s_exception_reaches_the_laptop_with_its_traceback(laptop):
+    raised = laptop.section("raises")
+    assert raised["distributed"] and raised["root_rank"] == 1, raised
+    assert raised["root_exc_type"].endswith("ValueError"), raised
+    assert "boom, seen from a laptop" in raised["text"], raised
+    assert 'laptop_driver.py", line' in raised["text"], raised  # the rank's own traceback
+
+
+def test_a_crashed_rank_s_last_words_reach_the_laptop(laptop):
+    """Shown live, or read on its node after its death (never on the laptop's disk)."""
+    crashed = laptop.section("crash")
+    assert crashed["root_rank"] == 1 and crashed["root_exc_type"] == "crash", crashed
+    assert "killed by a signal" in crashed["text"], crashed
+    assert "[pair r1] last words of rank 1" in laptop.stdout, laptop.show()
+
+
+def test_the_laptop_attaches_to_a_rank_s_breakpoint(two_hosts, laptop):
+    found = laptop.section("debugger")
+    assert found["result"] == [42, 42], found
+    assert found["host"] in two_hosts.node_ips, found  # a node, reached over the network
+    assert found["attach_exit"] == 0 and "43" in found["transcript"], found
+
+
+def test_a_detached_job_outlives_the_laptop_s_lost_session_and_nothing_is_lost(laptop):
+    """The link down past Ray Client's grace period: the cluster let the laptop's session go
+    (and the ranks ran on); the follower made a new one, found the supervisor again, and
+    showed every line once, in order; other processes get the job back whole."""
+    found = laptop.section("detached")
+    assert laptop.link.get("down_s", 0) >= LINK_DOWN_S > GRACE_S, laptop.link
+    assert found["result"] == [0, 1], found
+    assert "lost this driver's Ray Client session" in laptop.stderr, laptop.show()
+    assert f"reached the supervisor of {found['id']} again" in laptop.stderr, laptop.show()
+    lines = 300  # laptop_driver.DETACHED_LINES
+    for rank in (0, 1):
+        shown = re.findall(rf"^\[count r{rank}\] line (\d+)$", laptop.stdout, re.M)
+        assert [int(n) for n in shown] == list(range(lines)), (rank, laptop.show())
+        logged = re.findall(rf"^\[count r{rank}\] line (\d+)$", found["logs"], re.M)
+        assert [int(n) for n in logged] == list(range(lines)), (rank, found["logs"][-2000:])
+    assert found["logs_exit"] == 0, found
+    assert found["again"] == ["[0, 1]"], found  # a new process on the laptop
+    assert found["in_process"] == [0, 1], found

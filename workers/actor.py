@@ -31,17 +31,16 @@ from orchestrator_workers.capture import Capture
 from orchestrator_workers.protocol import (
     CallSpec,
     NodeInfo,
-    OutputChunk,
     Payload,
     Peer,
     RankFailure,
     RankResult,
     RankSpec,
     RemoteNode,
+    wire,
 )
 from orchestrator_workers.sampler import Sampler
 from orchestrator_workers.store import StoreKeeper
-from orchestrator_workers.where import Where
 from orchestrator_workers.where import read as read_where
 
 CONCURRENCY_GROUPS = {"control": 4, "node": 2}
@@ -98,8 +97,9 @@ class RankActor:
         """Ray prefixes this actor's log lines with its repr."""
         return self._label
 
-    def info(self) -> NodeInfo:
-        """Where this actor runs and what Ray gave it, once torch is loaded if it is to be.
+    def info(self) -> bytes:
+        """Where this actor runs and what Ray gave it (a NodeInfo, wired: see
+        `protocol.wire`), once torch is loaded if it is to be.
 
         The pool's start waits for it: a call's time (and its `timeout`) is then the
         call's own, not torch's import.
@@ -108,7 +108,7 @@ class RankActor:
             self._importing.join()
         context = ray.get_runtime_context()
         gpus = tuple(str(gpu) for gpu in context.get_accelerator_ids().get("GPU", []))
-        return NodeInfo(
+        return wire(NodeInfo(
             node_id=context.get_node_id(),
             node_ip=self._node_ip,
             hostname=socket.gethostname(),
@@ -119,13 +119,13 @@ class RankActor:
             niceness=os.getpriority(os.PRIO_PROCESS, 0),
             door=self._door.name,
             door_key=self._door.key,
-        )
+        ))
 
     @ray.method(concurrency_group="control")
-    def drain(self, timeout: float, gather: float = 0.0) -> list[OutputChunk]:
-        """Output not yet sent to the driver, waiting up to `timeout` s for some, then up
-        to `gather` s for more (see Capture.drain)."""
-        return self._capture.drain(timeout, gather)
+    def drain(self, timeout: float, gather: float = 0.0) -> bytes:
+        """Output not yet sent to the driver (OutputChunks, wired), waiting up to
+        `timeout` s for some, then up to `gather` s for more (see Capture.drain)."""
+        return wire(self._capture.drain(timeout, gather))
 
     @ray.method(concurrency_group="control")
     def stacks(self) -> str:
@@ -133,10 +133,10 @@ class RankActor:
         return stacks.current_stacks()
 
     @ray.method(concurrency_group="control")
-    def where(self, pids: dict[int, int] | None = None) -> list[Where]:
+    def where(self, pids: dict[int, int] | None = None) -> bytes:
         """Where each rank of this node (rank -> pid; default: this rank) was when it last
-        looked (see sampler)."""
-        return read_where(pids if pids is not None else {self._rank: os.getpid()})
+        looked (see sampler): Wheres, wired."""
+        return wire(read_where(pids if pids is not None else {self._rank: os.getpid()}))
 
     def open_store(self) -> int:
         """Reserve the next call's rendezvous port (nothing listens there until the call

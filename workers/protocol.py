@@ -15,6 +15,18 @@ STATE_STREAM = "state"
 """A rank's states on STATE_STREAM while it stops at a breakpoint (job.status() shows them)."""
 
 
+def wire(value: Any) -> bytes:
+    """`value` pickled, as an actor returns it to the driver: between them a Ray Client
+    server (a driver through `ray://`) unpickles what it passes on, and it may lack this
+    package (a head that has none), never bytes."""
+    return pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+
+
+def unwire(data: bytes) -> Any:
+    """What `wire` pickled."""
+    return pickle.loads(data)  # noqa: S301 - from our own actors, through Ray (token)
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """What one rank's actor reports about where it runs."""

@@ -19,6 +19,7 @@ from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
 from orchestrator.show import messages
 from orchestrator.show.summary import group_stacks, stacks_title
 from orchestrator.show.text import format_size
+from orchestrator_workers.protocol import unwire
 
 
 def connect_existing(address: str | None) -> None:
@@ -136,7 +137,7 @@ def _places(job: str, actors: dict[int, Any], wait_s: float) -> str:
     where = {}
     for ref in done:
         try:
-            where.update({entry.rank: (entry, now) for entry in ray.get(ref)})
+            where.update({entry.rank: (entry, now) for entry in unwire(ray.get(ref))})
         except RayError:
             continue  # its stacks below say why
     if not any(entry.running for entry, _ in where.values()):

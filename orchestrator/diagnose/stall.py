@@ -24,6 +24,7 @@ from ray.exceptions import RayError
 from orchestrator.diagnose.straggle import Shares
 from orchestrator.show.text import clock, rank_label
 from orchestrator_workers.places import UNSEEN, Frame, Place, place_of
+from orchestrator_workers.protocol import unwire
 from orchestrator_workers.where import Where
 
 if TYPE_CHECKING:
@@ -269,7 +270,7 @@ class Watch:
                 _, rank, _ = self.pending.pop(ref)
                 self.mute.discard(rank)
                 try:
-                    readings: list[Where] = ray.get(ref)
+                    readings: list[Where] = unwire(ray.get(ref))
                 except RayError:  # the rank's actor died: its run says how
                     continue
                 self.readings += 1

@@ -42,6 +42,7 @@ from orchestrator.supervise.supervisor import (
     RemoteShell,
     RemoteSupervisor,
 )
+from orchestrator_workers.protocol import unwire, wire
 
 BACKLOG_LINES = 1_000
 """Getting a job back shows each rank's newest this many lines, then follows."""
@@ -89,7 +90,8 @@ class Detached:
             try:
                 handle = self._supervisor()
                 record = registry.new_record(self.name, options, self._supervisor_name or "")
-                submitted = handle.submit.remote(record, payload, uses_torch, _in_cluster(options))
+                packed = wire((record, payload, uses_torch, _in_cluster(options)))
+                submitted = handle.submit.remote(packed)
                 break
             except ConnectionError as exc:  # Ray Client's session was lost: a new one, once
                 if again or not cluster.lost_session(exc) or not cluster.rejoin(self._session):
@@ -97,7 +99,9 @@ class Detached:
         # Its first read goes with the submit (the supervisor waits for the job), not after.
         job: FollowedJob[Any] = FollowedJob(record, handle, in_cell=in_cell, owner=owner)
         try:
-            ray.get(submitted, timeout=START_TIMEOUT_S)  # its errors, here
+            refused = unwire(ray.get(submitted, timeout=START_TIMEOUT_S))
+            if refused is not None:
+                raise refused
         except BaseException:
             job.unfollow()
             job._discard()
@@ -280,7 +284,8 @@ def list_jobs(address: str | None = None) -> list[JobInfo]:
         handle = find_supervisor(record.supervisor)
         with contextlib.suppress(RayError, GetTimeoutError, KeyError):
             if handle is not None:
-                snapshot = ray.get(handle.snapshot.remote(record.id), timeout=ASK_TIMEOUT_S)
+                wired = ray.get(handle.snapshot.remote(record.id), timeout=ASK_TIMEOUT_S)
+                snapshot = unwire(wired)
                 state = str(snapshot.status.state)
                 nodes = tuple(sorted({r.node_ip for r in snapshot.status.ranks if r.node_ip}))
         found.append(

@@ -31,6 +31,7 @@ from orchestrator.show.notebook import Table
 from orchestrator.supervise import registry
 from orchestrator.supervise.registry import JobRecord
 from orchestrator.supervise.supervisor import NAMESPACE, Outcome, Snapshot
+from orchestrator_workers.protocol import unwire
 from orchestrator_workers.states import State
 
 R = TypeVar("R")
@@ -217,10 +218,10 @@ class FollowedJob(Job[R]):
                     self._reading = False  # now, under the lock: see _watch_quietly
                     return
             try:
-                page, outcome = ray.get(
+                page, outcome = unwire(ray.get(
                     self._handle.read.remote(self.id, after, PAGE_ENTRIES, READ_WAIT_S),
                     timeout=READ_WAIT_S + ASK_TIMEOUT_S,
-                )
+                ))
             except RayActorError as exc:
                 self._settle_lost(exc)
                 return
@@ -254,9 +255,9 @@ class FollowedJob(Job[R]):
     def _look(self) -> Snapshot | None:
         """The supervisor's snapshot now (the last one when it does not answer)."""
         with contextlib.suppress(RayError, GetTimeoutError, ConnectionError):
-            snapshot: Snapshot = ray.get(
+            snapshot: Snapshot = unwire(ray.get(
                 self._handle.snapshot.remote(self.id), timeout=ASK_TIMEOUT_S
-            )
+            ))
             before, self._snapshot = self._snapshot, snapshot
             if self._show_output:
                 self._say_news(before.status if before is not None else None, snapshot.status)

@@ -29,8 +29,8 @@ from orchestrator.runner import Runner
 from orchestrator.show.logs import Bulk
 from orchestrator.show.notebook import Table
 from orchestrator.supervise import registry
-from orchestrator.supervise.journal import Journal, Page
-from orchestrator_workers.protocol import Payload
+from orchestrator.supervise.journal import Journal
+from orchestrator_workers.protocol import Payload, unwire, wire
 
 NAMESPACE = "orchestrator"
 """The Ray namespace of every supervisor, whatever the namespace of the driver that made it."""
@@ -127,11 +127,19 @@ class Supervisor:
             "idle_timeout": self.options.idle_timeout,
         }
 
-    def submit(
+    def submit(self, packed: bytes) -> bytes:
+        """Queue one call, packed by the driver: (record, payload, uses_torch, options),
+        wired (see `protocol.wire`); its job is kept (and recorded in the cluster, in the
+        background) as `record` says. None, or the error that refused it, wired."""
+        try:
+            self._submit(*unwire(packed))
+        except Exception as exc:  # noqa: BLE001 - raised in the driver
+            return wire(exc)
+        return wire(None)
+
+    def _submit(
         self, record: registry.JobRecord, payload: Payload, uses_torch: bool, options: Options
     ) -> None:
-        """Queue one call, packed by the driver; its job is kept (and recorded in the
-        cluster, in the background) as `record` says."""
         job_id = record.id
         journal = Journal(options.num_replicas)
         job = self._runner.submit_packed(payload, uses_torch, options, journal=journal)
@@ -142,13 +150,12 @@ class Supervisor:
             self._added.notify_all()
         threading.Thread(target=registry.keep, args=(record,), daemon=True).start()
 
-    def read(
-        self, job_id: str, after: int, limit: int, wait_s: float
-    ) -> tuple[Page, Outcome | None]:
+    def read(self, job_id: str, after: int, limit: int, wait_s: float) -> bytes:
         """Journal entries of `job_id` after position `after` (see `Journal.read`), and
-        when the page reaches the end of a job that ended, how it ended."""
+        when the page reaches the end of a job that ended, how it ended: (Page, Outcome or
+        None), wired."""
         page = self._kept(job_id, wait_s).journal.read(after, limit, wait_s)
-        return page, self.outcome(job_id, 0.0) if page.closed else None
+        return wire((page, self._outcome(job_id, 0.0) if page.closed else None))
 
     def text(self, job_id: str, prefix: str) -> tuple[str, str]:
         """Everything the journal keeps of `job_id`, as whole lines prefixed as `prefix`
@@ -169,12 +176,12 @@ class Supervisor:
         """The position to read after to get the newest `lines` lines of each rank."""
         return self._kept(job_id).journal.newest(lines)
 
-    def snapshot(self, job_id: str) -> Snapshot:
-        """The job's status and table now, and the journal's position."""
+    def snapshot(self, job_id: str) -> bytes:
+        """The job's status and table now, and the journal's position: a Snapshot, wired."""
         kept = self._kept(job_id)
-        return Snapshot(kept.job.status(), kept.job.table(), kept.journal.position)
+        return wire(Snapshot(kept.job.status(), kept.job.table(), kept.journal.position))
 
-    def outcome(self, job_id: str, wait_s: float) -> Outcome | None:
+    def _outcome(self, job_id: str, wait_s: float) -> Outcome | None:
         """How the job ended, waiting up to `wait_s` for it; None while it runs."""
         job = self._kept(job_id).job
         with contextlib.suppress(TimeoutError, CancelledError):
