@@ -3,9 +3,10 @@ same work over the same connection; and the same from a node through the cluster
 
     python -m benchmarks.bench_client [--repeats 40] [--ranks 4 16]
 
-Starts its own head (`ray.cluster_utils.Cluster`, 40 logical CPUs, Ray Client's server on a
-free port, token authentication on, its own temp dir), then one driver process per way in:
-the cluster's address (a driver on a node) and `ray://` (a driver that is no node). Each
+Starts its own head (`ray.cluster_utils.Cluster`, logical CPUs for the three ways' ranks side
+by side, Ray Client's server on a free port, token authentication on, its own temp dir),
+then one driver process per way in: the cluster's address (a driver on a node) and
+`ray://` (a driver that is no node). Each
 driver alternates, per size: plain actors (one per rank, each called once, all awaited),
 a warm call of `distribute` and one of `distribute(detach=True)`, all no-ops. Prints one
 table of medians. Goal: ours at most 1.5x plain actors, both ways in.
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     client_port = _free_port()
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 40, "ray_client_server_port": client_port},
+        head_node_args={"num_cpus": 3 * max(args.ranks) + 4, "ray_client_server_port": client_port},
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(ROOT)
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             results[way] = _driver(address, args.ranks, args.repeats, env)
     finally:
         cluster.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
     print(f"\nA warm no-op call, by way in: medians of {args.repeats} alternated calls (ms)")
     print(f"  {'way in':<24}{'ranks':>6}{'plain actors':>14}{'ours':>9}{'ratio':>8}"
           f"{'detached':>10}{'ratio':>8}  goal")

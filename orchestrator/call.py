@@ -18,6 +18,7 @@ from ray.exceptions import RayActorError
 
 from orchestrator import crash, shipping
 from orchestrator.channel import POLL_S, CallOutput
+from orchestrator.connect import cluster
 from orchestrator.diagnose.monitor import Monitor
 from orchestrator.errors import (
     CRASH,
@@ -192,6 +193,8 @@ class Call:
         while self._busy():
             if self.stop.is_set():
                 raise StopRequested
+            if self.pool.session != cluster.session():  # another thread made a new one
+                raise ConnectionError("the Ray Client session that owned the ranks ended")
             now = time.monotonic()
             if self.gather_until is not None and now >= self.gather_until:
                 break

@@ -94,6 +94,8 @@ class Pool:
         """
         self.name = name
         self.request = request
+        self.session = cluster.session()
+        """The Ray session its actors belong to (see `cluster.rejoin`)."""
         self.actors: list[Any] = []
         self.channels: list[RankChannel] = []
         """Per rank, its output as the driver takes it in, for as long as its actor lives."""

@@ -215,6 +215,10 @@ class Runner:
             try:
                 value = self._attempt(job, shipped, options, plan, earlier)
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
+                if cluster.lost_session(exc):  # its ranks ended with the session
+                    self._box.pool = None
+                    job._finish(error=cluster.session_lost_error(exc))
+                    return
                 if isinstance(exc, StopRequested) or job._stop_requested.is_set():
                     self.release()
                     return
@@ -252,6 +256,8 @@ class Runner:
         plan: Plan | None,
         earlier: list[BaseException],
     ) -> list[Any]:
+        if self.pool is not None and self.pool.session != cluster.session():
+            self._box.pool = None  # its actors ended with an earlier Ray Client session
         if self.pool is None:
             self._box.pool = self._start(job, plan or _plan(options), shipped.uses_torch)
         pool = self.pool

@@ -166,13 +166,23 @@ def debugger() -> dict[str, Any]:
 
 
 def detached() -> dict[str, Any]:
-    """A detached job, followed through the link's loss; then got back by other processes."""
+    """A detached job and a live one while the link is down past Ray Client's grace period:
+    the detached one is followed on, the live one fails clearly and the next live call
+    works; then the detached job is got back by other processes."""
+    live = distribute(count, num_replicas=2, replicas_per_node=1, name="live")
+    running = live.submit(DETACHED_LINES)
     fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, name="count")
     job = fn.submit(DETACHED_LINES)
     (HERE / "started").write_text(job.id)
     started = time.monotonic()
     result: dict[str, Any] = {"id": job.id, "result": job.result(timeout=SCENARIO_S)}
     result["seconds_to_result"] = round(time.monotonic() - started, 2)
+    try:
+        result["live"] = {"type": None, "result": running.result(timeout=SCENARIO_S)}
+    except Exception as exc:  # noqa: BLE001 - what it raised is the result
+        result["live"] = _failure_of(exc)
+    result["live_again"] = live(3)  # a new session, a new pool
+    live.shutdown()
     begun = time.monotonic()
     logs = subprocess.run(
         [sys.executable, "-m", "orchestrator", "logs", job.id],

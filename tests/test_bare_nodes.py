@@ -746,3 +746,13 @@ def test_a_detached_job_outlives_the_laptop_s_lost_session_and_nothing_is_lost(l
     assert found["logs_exit"] == 0, found
     assert found["again"] == ["[0, 1]"], found  # a new process on the laptop
     assert found["in_process"] == [0, 1], found
+
+
+def test_a_live_call_fails_clearly_when_the_session_ends_and_the_next_call_works(laptop):
+    """A call that is not detached belongs to the session: the cluster ended both."""
+    found = laptop.section("detached")
+    live = found["live"]
+    assert live["type"] == "ClusterUnreachableError", live
+    assert "lost its Ray Client session" in live["text"], live
+    assert "detach=True" in live["text"], live
+    assert found["live_again"] == [0, 1], found

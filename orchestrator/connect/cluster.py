@@ -18,7 +18,7 @@ import ray
 
 from orchestrator import _ray_compat
 from orchestrator.connect import discovery, probe, tokens
-from orchestrator.errors import ClusterMismatchError, ConfigError
+from orchestrator.errors import ClusterMismatchError, ClusterUnreachableError, ConfigError
 from orchestrator.show import messages, notices
 from orchestrator_workers import private
 
@@ -29,6 +29,8 @@ _joined: str | None = None
 """The address this process last joined (a new Ray Client session goes there again)."""
 _session = 0
 """How many times this process joined Ray: handles of an earlier session are void."""
+_broken = False
+"""Whether a Ray call said this process's Ray Client session is gone (see `lost_session`)."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,12 @@ def connect(address: str | None, *, min_cpus: float = 0, standalone: bool = Fals
     """
     global _embedded, _local_runtime  # noqa: PLW0603 - one Ray connection per process
     with _lock:
-        if ray.is_initialized():
+        if ray.is_initialized() and not _broken:
             return _embedded
+        if ray.is_initialized():  # its Ray Client session is gone: a new one
+            assert _joined is not None
+            _rejoin()
+            return False
         given = None if standalone else address or os.environ.get("RAY_ADDRESS")
         live, stale = (None, None) if given or standalone else discovery.local_cluster()
         if given:
@@ -84,12 +90,12 @@ def join(address: str, **init: Any) -> None:
     Through Ray Client, the head forks a server per session, and about one fork in ten
     dies at birth (ray#63202, a gRPC race in Ray's proxier): that session is asked for again.
     """
-    global _joined, _session
+    global _joined, _session, _broken
     tokens.local_token(address)  # only where it is the local runtime's address
     for attempt in range(1, CLIENT_SERVER_TRIES + 1):
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **init)
-            _joined, _session = address, _session + 1
+            _joined, _session, _broken = address, _session + 1, False
             return
         except ConnectionAbortedError as exc:
             if _CLIENT_SERVER_DIED not in str(exc) or attempt == CLIENT_SERVER_TRIES:
@@ -196,18 +202,44 @@ def rejoin(seen: int) -> bool:
             return True
         if _joined is None or not _joined.startswith("ray://"):
             return False
-        with contextlib.suppress(Exception):  # the old session's client, already broken
-            ray.shutdown()
         try:
-            join(_joined)
+            _rejoin()
         except Exception:  # noqa: BLE001 - still unreachable: the caller tries again later
             return False
         return True
 
 
+def _rejoin() -> None:
+    """A new Ray Client session to the address joined last (the lock held)."""
+    assert _joined is not None
+    probe.check_reachable(_joined, "address")  # in seconds, while the link is still down
+    with contextlib.suppress(Exception):  # the old session's client, already broken
+        ray.shutdown()
+    join(_joined)
+
+
+_NOT_CONNECTED = "Ray Client is not connected"
+"""What Ray raises (a plain Exception) for a call between two sessions."""
+
+
 def lost_session(exc: BaseException) -> bool:
-    """Whether `exc`, raised by a Ray call, says Ray Client's session is gone for good."""
-    return isinstance(exc, ConnectionError) and bool(_joined and _joined.startswith("ray://"))
+    """Whether `exc`, raised by a Ray call, says Ray Client's session is gone for good, or
+    not made again yet (the next `connect` then makes a new one)."""
+    global _broken  # noqa: PLW0603 - one Ray connection per process
+    through_client = bool(_joined and _joined.startswith("ray://"))
+    lost = through_client and (isinstance(exc, ConnectionError) or _NOT_CONNECTED in str(exc))
+    _broken = _broken or lost
+    return lost
+
+
+def session_lost_error(exc: BaseException) -> ClusterUnreachableError:
+    """What a call that is not detached raises when Ray Client's session ended under it."""
+    return ClusterUnreachableError(
+        f"this driver lost its Ray Client session to {_joined} ({exc}): its link was down "
+        "for longer than Ray Client's grace period, so the cluster ended the session and "
+        "this call's ranks with it. The next call makes a new session; for work that must "
+        "outlive the network (a laptop that sleeps), use distribute(..., detach=True)"
+    )
 
 
 def count_nodes(address: str) -> int | None:

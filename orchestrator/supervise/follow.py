@@ -228,7 +228,7 @@ class FollowedJob(Job[R]):
             except KeyError:  # raised by the supervisor (Ray's error is one too)
                 self._settle(None, KeyError(f"job {self.id} was released by its supervisor"))
                 return
-            except (RayError, GetTimeoutError, ConnectionError) as exc:
+            except Exception as exc:  # noqa: BLE001 - unreachable, or raised again there
                 self._unreachable(exc)
                 continue
             if self._down_since is not None:
@@ -254,10 +254,14 @@ class FollowedJob(Job[R]):
 
     def _look(self) -> Snapshot | None:
         """The supervisor's snapshot now (the last one when it does not answer)."""
-        with contextlib.suppress(RayError, GetTimeoutError, ConnectionError):
+        try:
             snapshot: Snapshot = unwire(ray.get(
                 self._handle.snapshot.remote(self.id), timeout=ASK_TIMEOUT_S
             ))
+        except Exception as exc:
+            if not (cluster.lost_session(exc) or isinstance(exc, (RayError, GetTimeoutError))):
+                raise
+        else:
             before, self._snapshot = self._snapshot, snapshot
             if self._show_output:
                 self._say_news(before.status if before is not None else None, snapshot.status)
@@ -312,7 +316,7 @@ class FollowedJob(Job[R]):
         """The supervisor did not answer (the network is down; or Ray Client's session was
         lost, and a new one is tried): say so once, and wait to try again."""
         lost = cluster.lost_session(exc)
-        if isinstance(exc, ConnectionError) and not lost:
+        if not (lost or isinstance(exc, (RayError, GetTimeoutError))):
             raise exc
         if self._down_since is None:
             self._down_since = time.monotonic()
@@ -346,7 +350,7 @@ class FollowedJob(Job[R]):
             try:
                 call = getattr(self._handle, method).remote(self.id, *args)
                 return ray.get(call, timeout=ASK_TIMEOUT_S)
-            except ConnectionError as exc:  # Ray Client's session lost: once more, in a new one
+            except Exception as exc:  # Ray Client's session lost: once more, in a new one
                 if not cluster.lost_session(exc) or not self._reconnect():
                     raise
                 call = getattr(self._handle, method).remote(self.id, *args)
