@@ -281,6 +281,10 @@ def test_a_later_driver_that_asks_for_the_same_pool_gets_its_warm_ranks(cluster)
     pools = listed.stdout.split("warm pools", 1)[-1]
     held = [line.split()[0] for line in pools.splitlines() if "2 CPU, 2 GPU" in line]
     assert len(held) == 2, listed.stdout  # what each holds while it waits
+    waiting = {j.id: j for j in list_jobs() if j.is_pool}  # list_jobs lists them too
+    assert set(held) <= set(waiting), (held, waiting)
+    assert waiting[held[0]].holds == {"CPU": 2.0, "GPU": 2.0}, waiting[held[0]]
+    assert waiting[held[0]].idle_timeout == 20 and waiting[held[0]].ranks == 2
     stopped = subprocess.run([*cli, "stop", held[1], "--address", cluster.address], cwd=ROOT,
                              capture_output=True, text=True, timeout=120, check=False)
     assert "releases its warm pool" in stopped.stdout, stopped.stdout + stopped.stderr

@@ -16,10 +16,13 @@ STATE_STREAM = "state"
 
 
 def wire(value: Any) -> bytes:
-    """`value` pickled, as an actor returns it to the driver: between them a Ray Client
-    server (a driver through `ray://`) unpickles what it passes on, and it may lack this
-    package (a head that has none), never bytes."""
-    return pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+    """`value` cloudpickled (a user's exception class defined in a script, say), as an
+    actor returns it to the driver: between them a Ray Client server (a driver through
+    `ray://`) unpickles what it passes on, and it may lack this package (a head that has
+    none), never bytes."""
+    import cloudpickle
+
+    return bytes(cloudpickle.dumps(value, pickle.HIGHEST_PROTOCOL))
 
 
 def unwire(data: bytes) -> Any:

@@ -15,25 +15,25 @@ def jobs(address: str | None) -> int:
     """Print every detached job (id, state, ranks, nodes, age, who started it), then the
     warm pools that wait for a next call, and what they hold."""
     found = detached.list_jobs(address)
-    if not found:
+    listed = [job for job in found if not job.is_pool]
+    pools = [job for job in found if job.is_pool]
+    if not listed:
         print("no detached jobs in this cluster (distribute(..., detach=True) makes one)")
     else:
         rows: list[tuple[str, ...]] = [("ID", "STATE", "RANKS", "NODES", "STARTED", "BY")]
-        for job in found:
+        for job in listed:
             started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.started))
             nodes = ",".join(job.nodes) or "-"
             rows.append((job.id, job.state, str(job.ranks), nodes, started, job.user))
         _print_rows(rows)
-    pools = detached.list_pools(address)
     if pools:
         print("\nwarm pools (orchestrator stop SUPERVISOR releases one):")
-        rows = [("SUPERVISOR", "NAME", "RANKS", "HOLDS", "IDLE")]  # a new table
+        rows = [("SUPERVISOR", "NAME", "RANKS", "NODES", "HOLDS", "IDLE")]  # a new table
         for pool in pools:
-            idle = "busy" if pool["idle_s"] is None else (
-                f"{pool['idle_s']:.0f} s of {pool['idle_timeout']:g} s"
-            )
-            holds = f"{pool['cpus']:g} CPU, {pool['gpus']:g} GPU"
-            rows.append((pool["supervisor"], pool["name"], str(pool["ranks"]), holds, idle))
+            idle = f"{pool.idle_s or 0:.0f} s of {pool.idle_timeout or 0:g} s"
+            holds = ", ".join(f"{amount:g} {kind}" for kind, amount in pool.holds.items())
+            nodes = ",".join(pool.nodes) or "-"
+            rows.append((pool.id, pool.name, str(pool.ranks), nodes, holds, idle))
         _print_rows(rows)
     return 0
 

@@ -16,6 +16,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -261,22 +262,40 @@ def get_job(id_or_name: str, address: str | None = None, *, show: bool = True) -
 
 @dataclass(frozen=True)
 class JobInfo:
-    """One detached job, as `list_jobs` shows it."""
+    """One detached job, or a warm pool that waits for its next call, as `list_jobs` shows
+    it."""
 
     id: str
+    """A job's id; a warm pool's supervisor (what `orchestrator stop` takes)."""
     name: str
     state: str
-    """Its State, or "lost" when its supervisor is gone."""
+    """A job's State, or "lost" when its supervisor is gone; WARM_POOL for a pool."""
     ranks: int
     nodes: tuple[str, ...]
     """The nodes its ranks run (or ran) on."""
     started: float
-    """When it was submitted (time.time())."""
+    """When it was submitted (time.time()); when a pool went idle."""
     user: str
+    """user@host of the driver that submitted a job ('' for a pool)."""
+    holds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """What a warm pool holds for its idle timeout: {"CPU": 4.0, "GPU": 0.0} ({} for a job)."""
+    idle_s: float | None = None
+    """How long a warm pool has been idle."""
+    idle_timeout: float | None = None
+    """After how long idle a warm pool is released."""
+
+    @property
+    def is_pool(self) -> bool:
+        """Whether this is a warm pool, not a job."""
+        return self.state == WARM_POOL
+
+
+WARM_POOL = "warm pool"
 
 
 def list_jobs(address: str | None = None) -> list[JobInfo]:
-    """Every detached job in the cluster, oldest first, with its state now."""
+    """Every detached job in the cluster, oldest first, with its state now; then every
+    warm pool that waits for a next call, with what it holds."""
     connect_lasting(address)
     found = []
     for record in registry.records():
@@ -292,13 +311,23 @@ def list_jobs(address: str | None = None) -> list[JobInfo]:
             JobInfo(record.id, record.name, state, record.ranks, nodes, record.started,
                     record.user)
         )
+    now = time.time()
+    for pool in _pools():
+        if pool["idle_s"] is None:
+            continue  # its job is listed
+        held = {"CPU": float(pool["cpus"]), "GPU": float(pool["gpus"])}
+        found.append(
+            JobInfo(pool["supervisor"], pool["name"], WARM_POOL, pool["ranks"],
+                    tuple(pool["nodes"]), now - pool["idle_s"], "", held, pool["idle_s"],
+                    pool["idle_timeout"])
+        )
     return found
 
 
-def list_pools(address: str | None = None) -> list[dict[str, Any]]:
-    """Every detached function's warm pool in the cluster: its supervisor, name, ranks, the
-    CPUs and GPUs it holds, how long it has been idle (None: a job runs), its idle_timeout."""
-    connect_lasting(address)
+def _pools() -> list[dict[str, Any]]:
+    """Every detached function's warm pool in the cluster: its supervisor, name, ranks,
+    nodes, the CPUs and GPUs it holds, how long it has been idle (None: a job runs), its
+    idle_timeout."""
     found = []
     for _key, name in registry.pools():
         handle = find_supervisor(name)

@@ -19,7 +19,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from orchestrator import job as jobs
 from orchestrator.connect import cluster
@@ -316,7 +316,8 @@ class FollowedJob(Job[R]):
         """The supervisor did not answer (the network is down; or Ray Client's session was
         lost, and a new one is tried): say so once, and wait to try again."""
         lost = cluster.lost_session(exc)
-        if not (lost or isinstance(exc, (RayError, GetTimeoutError))):
+        answered = isinstance(exc, RayTaskError)  # the supervisor raised: no network matter
+        if answered or not (lost or isinstance(exc, (RayError, GetTimeoutError))):
             raise exc
         if self._down_since is None:
             self._down_since = time.monotonic()

@@ -121,6 +121,7 @@ class Supervisor:
             "supervisor": self._actor_name,
             "name": self.name,
             "ranks": ranks,
+            "nodes": sorted({info.node_ip for info in pool.infos}) if pool is not None else [],
             "cpus": ranks * asked.cpus_per_replica if asked is not None else 0,
             "gpus": ranks * asked.gpus_per_replica if asked is not None else 0,
             "idle_s": idle,
