@@ -109,7 +109,7 @@ class Hosts:
         /dev/shm and HOME (/tmp/home) of its own; the nodes' files out of sight. The
         repository and this venv stay where they are (a clone in /tmp too: the laptop has
         the package installed)."""
-        keep = _under_tmp([REPO, Path(sys.prefix)])
+        keep = laptop_kept()
         private = (
             "set -e; "
             "mount -t tmpfs laptop-hold /media; "
@@ -142,10 +142,13 @@ class Hosts:
         return _ray_logs(self.tmp)
 
 
-def _under_tmp(paths: Sequence[Path]) -> list[Path]:
-    """Those of `paths` under /tmp, none inside another."""
+def laptop_kept() -> list[Path]:
+    """What the laptop keeps of this machine's /tmp: the repository and this venv where
+    they are under it (a clone in /tmp: the laptop has the package installed), none
+    inside another."""
     tmp = Path("/tmp")
-    found = sorted({p.resolve() for p in paths if p.resolve().is_relative_to(tmp)})
+    paths = [REPO.resolve(), Path(sys.prefix).resolve()]
+    found = sorted({p for p in paths if p.is_relative_to(tmp)})
     return [p for p in found if not any(p != q and p.is_relative_to(q) for q in found)]
 
 

@@ -33,7 +33,7 @@ def check_reachable(address: str, given_as: str) -> None:
     if why is None:
         return
     local = "give no address to run on this machine"
-    if REFUSED in why:
+    if why.startswith(REFUSED):
         raise ClusterUnreachableError(f"the Ray cluster at {given_as}={address!r} {why}")
     if "does not answer as" in why:
         fix = f"give the address of the cluster's head, or {local}"
@@ -144,7 +144,8 @@ def _rpc_answer(
             elif kind == 9:  # CONTINUATION
                 headers += payload
             if kind in (1, 9) and flags & 0x4:  # END_HEADERS
-                return _grpc_headers(hpack.Decoder(), headers, sent_token=bool(token))
+                decoder = hpack.Decoder()
+                return _grpc_headers(decoder, headers, sent_token=bool(token), client=client)
     return "no answer to a gRPC call"
 
 
@@ -170,16 +171,20 @@ def _literal(name: bytes, value: bytes) -> bytes:
     return b"\0" + _hpack_string(name) + _hpack_string(value)
 
 
-def _grpc_headers(decoder: hpack.Decoder, block: bytes, *, sent_token: bool) -> str | None:
+def _grpc_headers(
+    decoder: hpack.Decoder, block: bytes, *, sent_token: bool, client: bool
+) -> str | None:
     """None if the header `block` is a gRPC answer's; else what it says instead (starting
-    with REFUSED where the answer refuses the token sent, or the lack of one)."""
+    with REFUSED where the answer refuses the token sent, or, from Ray Client's server
+    (`client`), the lack of one: a GCS's refusal of none is left to Ray, which may yet
+    find the token, the local runtime's say)."""
     try:
         fields = {str(name): str(value) for name, value in decoder.decode(block, raw=False)}
     except Exception:  # noqa: BLE001 - hpack's errors: not an answer we can read
         return "headers that are not HTTP/2's"
     status, kind = fields.get(":status", "?"), fields.get("content-type", "none")
     if status == "200" and kind.startswith("application/grpc"):
-        if fields.get("grpc-status") != _UNAUTHENTICATED:
+        if fields.get("grpc-status") != _UNAUTHENTICATED or not (sent_token or client):
             return None
         if sent_token:
             return (
