@@ -33,7 +33,7 @@ from orchestrator import DistributedError, distribute, get_job
 
 SCENARIO_S = 150
 HERE = Path("/mnt")
-DETACHED_LINES = 300
+DETACHED_LINES = 200
 """Lines each rank of the detached job prints, one every 0.1 s."""
 
 
