@@ -20,6 +20,7 @@ from orchestrator import (
     Job,
     PlacementError,
     distribute,
+    restart,
     testing,
 )
 from orchestrator_workers import handoff
@@ -57,6 +58,9 @@ def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd, monke
     dead, tree = case
     if tree:
         monkeypatch.setenv(handoff.TREE, "2")
+    # A survivor that is still failing out of gloo after the settle time is replaced: on a
+    # 2-core machine busy with the other test process, 5 s was once too short for rank 1.
+    monkeypatch.setattr(restart, "SETTLE_S", 30.0)
     fn = distribute(crash_once, num_replicas=4, replicas_per_node=2, max_restarts=2, name="ft")
     job = fn.submit(str(tmp_path), dead)
     results = job.result(timeout=180)
