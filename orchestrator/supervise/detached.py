@@ -116,25 +116,28 @@ class Detached:
         warm pool once no job runs (jobs that run go on)."""
         if self.last is not None:
             self.last.unfollow(say=True)
-        if self._handle is not None:
-            with contextlib.suppress(RayError, GetTimeoutError, ConnectionError):
-                ray.get(self._supervisor().release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
+        with contextlib.suppress(RayError, GetTimeoutError, ConnectionError):
+            handle = self._supervisor(start=False)
+            if handle is not None:
+                ray.get(handle.release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
 
     def pids(self) -> list[int]:
         """Process ids of the warm pool's ranks, by rank (empty while it has none)."""
-        if self._handle is None:
+        handle = self._supervisor(start=False)
+        if handle is None:
             return []
-        return list(ray.get(self._supervisor().pids.remote(), timeout=ASK_TIMEOUT_S))
+        return list(ray.get(handle.pids.remote(), timeout=ASK_TIMEOUT_S))
 
-    def _supervisor(self) -> Any:
-        """The supervisor's handle: started with the first call; found again by name in a
-        new Ray Client session (see `cluster.rejoin`), or started anew where it is gone."""
+    def _supervisor(self, *, start: bool = True) -> Any:
+        """The supervisor's handle: started with the first call (`start`: None until then);
+        found again by name in a new Ray Client session (see `cluster.rejoin`), or started
+        anew where it is gone."""
         with self._lock:
             if self._handle is not None and self._session != cluster.session():
                 assert self._supervisor_name is not None
                 self._handle = find_supervisor(self._supervisor_name)
                 self._session = cluster.session()
-            if self._handle is None:
+            if self._handle is None and start:
                 self._handle, self._supervisor_name = start_supervisor(self.name, self.options)
                 self._session = cluster.session()
             return self._handle

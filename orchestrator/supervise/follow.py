@@ -192,6 +192,8 @@ class FollowedJob(Job[R]):
             self._follow_from(backlog)
         except SystemExit:  # Ray shuts down in this process (its exit): stop following
             self.unfollow()
+        except SupervisorLostError as exc:
+            self._settle(None, exc)
         except Exception as exc:  # noqa: BLE001 - never leave result() waiting for ever
             self._settle(
                 None,
@@ -338,8 +340,12 @@ class FollowedJob(Job[R]):
             return False
         try:
             handle = ray.get_actor(self.record.supervisor, namespace=NAMESPACE)
-        except ValueError:  # connected, and the supervisor is gone: settled by the next read
-            return True
+        except ValueError:  # connected, and the supervisor is gone
+            raise SupervisorLostError(
+                f"job {self.id}: its supervisor is gone (found again after this driver's Ray "
+                "Client session was lost): the node that supervised it died or the actor "
+                "was killed meanwhile"
+            ) from None
         except ConnectionError:
             return False
         self._handle, self._session = handle, cluster.session()
