@@ -24,9 +24,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.bench_detach import _alternated
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,16 +67,8 @@ def _drive(ranks_list: list[int], repeats: int) -> dict[str, Any]:
             "ours": live,
             "detached": detached,
         }
-        times: dict[str, list[float]] = {way: [] for way in ways}
         try:
-            for call in ways.values():
-                call()
-                call()
-            for _ in range(repeats):
-                for way, call in ways.items():
-                    started = time.perf_counter()
-                    call()
-                    times[way].append(time.perf_counter() - started)
+            times = _alternated(ways, repeats)
         finally:
             live.shutdown()
             detached.shutdown()

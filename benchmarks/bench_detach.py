@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,20 +77,27 @@ def _warm_calls(ranks: int, repeats: int) -> tuple[list[float], list[float]]:
     detached = distribute(
         _noop, num_replicas=ranks, log_dir=False, name=f"detached{ranks}", detach=True
     )
-    times: dict[str, list[float]] = {"live": [], "detached": []}
     try:
-        for fn in (live, detached):
-            fn()
-            fn()
-        for _ in range(repeats):
-            for label, fn in (("live", live), ("detached", detached)):
-                started = time.perf_counter()
-                fn()
-                times[label].append(time.perf_counter() - started)
+        times = _alternated({"live": live, "detached": detached}, repeats)
     finally:
         live.shutdown()
         detached.shutdown()
     return times["live"], times["detached"]
+
+
+def _alternated(ways: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Each way called twice to warm it, then all in turn `repeats` times: each call's
+    seconds, by way."""
+    for call in ways.values():
+        call()
+        call()
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(repeats):
+        for way, call in ways.items():
+            started = time.perf_counter()
+            call()
+            times[way].append(time.perf_counter() - started)
+    return times
 
 
 def _round_trip(repeats: int) -> float:

@@ -297,32 +297,46 @@ KV_NAMESPACE = "orchestrator"
 """Our keys in the cluster's internal key-value store (the GCS's; Ray keeps its own apart)."""
 
 
-def kv_get(key: str) -> bytes | None:
-    """The value of `key` in the connected cluster's key-value store; None where unset.
+def _kv(function: str, *args: Any) -> Any:
+    """`internal_kv.<function>(*args)` in our namespace of the connected cluster's key-value
+    store; None where this process is not connected.
 
-    Degraded: None (the caller works it out afresh).
+    Degraded (None): the callers' own (see each).
     """
     try:
         from ray.experimental import internal_kv
 
         if not internal_kv._internal_kv_initialized():
             return None
-        value = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+        return getattr(internal_kv, function)(*args, namespace=KV_NAMESPACE)
     except (ImportError, AttributeError, TypeError) as exc:
         _fell_back("kv", exc)
         return None
+
+
+def kv_get(key: str) -> bytes | None:
+    """The value of `key` in the connected cluster's key-value store; None where unset.
+
+    Degraded: None (the caller works it out afresh).
+    """
+    value = _kv("_internal_kv_get", key)
     return value if isinstance(value, bytes) else None
 
 
 def kv_put(key: str, value: bytes) -> None:
     """Set `key` in the connected cluster's key-value store. Degraded: nothing is kept."""
-    try:
-        from ray.experimental import internal_kv
+    _kv("_internal_kv_put", key, value, True)  # overwrite
 
-        if internal_kv._internal_kv_initialized():
-            internal_kv._internal_kv_put(key, value, overwrite=True, namespace=KV_NAMESPACE)
-    except (ImportError, AttributeError, TypeError) as exc:
-        _fell_back("kv", exc)
+
+def kv_keys(prefix: str) -> list[str]:
+    """The keys under `prefix` in the connected cluster's key-value store. Degraded: none."""
+    keys = _kv("_internal_kv_list", prefix) or []
+    return sorted(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
+
+
+def kv_delete(key: str) -> None:
+    """Remove `key` from the connected cluster's key-value store. Degraded: it stays."""
+    _kv("_internal_kv_del", key)
 
 
 def upload_runtime_env(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
@@ -349,31 +363,6 @@ def upload_runtime_env(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
     quiet.setLevel(logging.WARNING)
     uploaded = modules(dict(runtime_env), include_gitignore=True, logger=quiet)
     return folder(uploaded, include_gitignore=True, logger=quiet)
-
-
-def kv_keys(prefix: str) -> list[str]:
-    """The keys under `prefix` in the connected cluster's key-value store. Degraded: none."""
-    try:
-        from ray.experimental import internal_kv
-
-        if not internal_kv._internal_kv_initialized():
-            return []
-        keys = internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
-    except (ImportError, AttributeError, TypeError) as exc:
-        _fell_back("kv", exc)
-        return []
-    return sorted(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
-
-
-def kv_delete(key: str) -> None:
-    """Remove `key` from the connected cluster's key-value store. Degraded: it stays."""
-    try:
-        from ray.experimental import internal_kv
-
-        if internal_kv._internal_kv_initialized():
-            internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
-    except (ImportError, AttributeError, TypeError) as exc:
-        _fell_back("kv", exc)
 
 
 def driver_alive(job_id: str) -> bool | None:

@@ -284,8 +284,7 @@ class Pool:
         ]
         tree = int(os.environ.get(handoff.TREE, handoff.TREE_NODES))
         self.others = ()
-        # Through Ray Client rank 0 would get the others' handles from a server that may
-        # lack this package: the driver calls each node's first rank itself.
+        # Not through Ray Client: its server, which may lack this package, would pass them.
         if len(self.nodes) >= tree and not cluster.through_ray_client():
             self.others = tuple(
                 RemoteNode(self.actors[node.ranks[0]], node.ranks, node.peers)

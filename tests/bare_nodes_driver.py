@@ -5,7 +5,8 @@ Usage: python bare_nodes_driver.py RAY_ADDRESS REPORT_JSON PROJECT_DIR
 The test copies it into a project folder and runs it there, inside host 0's network
 namespace, with the test venv's Python (the driver has the package; the nodes' Ray runs
 from environments that lack it, or hold an older copy). It must import nothing of the
-repository but the package: its functions travel by value. Each scenario runs under its
+repository but the package (and tests/scenarios.py, copied beside it): its functions
+travel by value. Each scenario runs under its
 own time limit; its result, or its error and traceback, goes into the report, which is
 written again after every scenario (a killed driver leaves those it finished).
 
@@ -24,19 +25,21 @@ failed call replaces.
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
 import runpy
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from orchestrator import DistributedError, DistributedFunction, distribute, testing
+from scenarios import failure_of, run_all
+
+from orchestrator import DistributedFunction, distribute, testing
 
 FAKE_TORCH = "2.0.0"
 """The torch version the driver is made to believe it has."""
@@ -45,27 +48,6 @@ STALL_AFTER_S = 3
 GLOO_TIMEOUT = timedelta(seconds=20)
 """Far below gloo's 30 min default: a wrong address must fail the test, not hang it."""
 CONTROL_TIMEOUT = timedelta(seconds=6)
-
-
-class ScenarioTimeout(Exception):
-    """A scenario ran past SCENARIO_S."""
-
-
-def _alarm(_signum: int, _frame: object) -> None:
-    raise ScenarioTimeout(f"the scenario ran past {SCENARIO_S} s")
-
-
-def _failure_of(exc: BaseException) -> dict[str, Any]:
-    """What the tests check of an exception that reached the driver."""
-    root = getattr(exc, "root_cause", None)
-    return {
-        "type": type(exc).__name__,
-        "text": str(exc),
-        "distributed": isinstance(exc, DistributedError),
-        "value_error": isinstance(exc, ValueError),
-        "root_rank": getattr(root, "rank", None),
-        "root_exc_type": getattr(root, "exc_type", None),
-    }
 
 
 # --- what runs in the ranks ----------------------------------------------------------------
@@ -301,7 +283,7 @@ def raises(address: str, _work: Path) -> dict[str, Any]:
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - what it raised is the result
-        result = _failure_of(exc)
+        result = failure_of(exc)
     else:
         result = {"type": None}
     fn.fn = lambda: int(os.environ["RANK"])
@@ -317,7 +299,7 @@ def crash(address: str, _work: Path) -> dict[str, Any]:
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - what it raised is the result
-        return _failure_of(exc)
+        return failure_of(exc)
     finally:
         _release_pair()
     return {"type": None}
@@ -369,7 +351,7 @@ def _outcome(job: Any) -> dict[str, Any]:
     try:
         return {"result": job.result(timeout=60)}
     except Exception as exc:  # noqa: BLE001 - what it raised is the result
-        return {"failure": _failure_of(exc)}
+        return {"failure": failure_of(exc)}
 
 
 def environment(address: str, _work: Path) -> dict[str, Any]:
@@ -428,37 +410,16 @@ SCENARIOS: list[Callable[[str, Path], dict[str, Any]]] = [
 ]
 
 
-@contextlib.contextmanager
-def _limit(seconds: int) -> Iterator[None]:
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def main() -> None:
     """Run every scenario, each under its limit; write the report after each."""
     address, out, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    report: dict[str, Any] = {}
-    for scenario in SCENARIOS:
-        name = scenario.__name__
-        print(f"=== {name} ===", flush=True)
-        print(f"=== {name} ===", file=sys.stderr, flush=True)
-        started = time.monotonic()
-        try:
-            with _limit(SCENARIO_S):
-                entry = scenario(address, work)
-        except Exception as exc:  # noqa: BLE001 - a scenario's failure is its result
-            entry = {"error": "".join(traceback.format_exception(exc))}
-            _release_pair()  # the next scenario starts from a fresh pool
-        entry["seconds"] = round(time.monotonic() - started, 2)
-        report[name] = entry
-        out.write_text(json.dumps(report, indent=1, default=repr))
+    run_all(
+        [(s.__name__, functools.partial(s, address, work)) for s in SCENARIOS],
+        out,
+        SCENARIO_S,
+        after_error=_release_pair,  # the next scenario starts from a fresh pool
+    )
     _release_pair()
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Usage: python laptop_driver.py REPORT_JSON
 
 Run on the laptop (tests/hosts.py: `Hosts.laptop_argv`): a network namespace that is no Ray
 node, with /tmp, /dev/shm and HOME of its own, RAY_ADDRESS=ray://HEAD:10001 and the
-cluster's token. It runs in its project folder, seen there as /mnt. Its functions travel
-by value. Each scenario runs under its own time
+cluster's token. It runs in its project folder, seen there as /mnt, beside
+tests/scenarios.py. Its functions travel by value. Each scenario runs under its own time
 limit; its result, or its error, goes into the report, written again after each.
 
 In `detached`, the test takes the laptop's link down once the job has started (the file
@@ -14,9 +14,7 @@ In `detached`, the test takes the laptop's link down once the job has started (t
 
 from __future__ import annotations
 
-import contextlib
 import io
-import json
 import os
 import re
 import runpy
@@ -24,36 +22,18 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator import DistributedError, distribute, get_job
+from scenarios import failure_of, run_all
+
+from orchestrator import distribute, get_job
 
 SCENARIO_S = 150
 HERE = Path("/mnt")
 DETACHED_LINES = 200
 """Lines each rank of the detached job prints, one every 0.1 s."""
-
-
-class ScenarioTimeout(Exception):
-    """A scenario ran past SCENARIO_S."""
-
-
-def _alarm(_signum: int, _frame: object) -> None:
-    raise ScenarioTimeout(f"the scenario ran past {SCENARIO_S} s")
-
-
-def _failure_of(exc: BaseException) -> dict[str, Any]:
-    root = getattr(exc, "root_cause", None)
-    return {
-        "type": type(exc).__name__,
-        "text": str(exc),
-        "distributed": isinstance(exc, DistributedError),
-        "root_rank": getattr(root, "rank", None),
-        "root_exc_type": getattr(root, "exc_type", None),
-    }
 
 
 # --- what runs in the ranks ----------------------------------------------------------------
@@ -101,24 +81,24 @@ def readme() -> dict[str, Any]:
     return {}
 
 
+def _failure(fn: Callable[[], int]) -> dict[str, Any]:
+    """What a call of `fn` on a pair of ranks raised ({"type": None} if it returned)."""
+    with distribute(fn, num_replicas=2, replicas_per_node=1, name="pair") as pair:
+        try:
+            pair()
+        except Exception as exc:  # noqa: BLE001 - what it raised is the result
+            return failure_of(exc)
+    return {"type": None}
+
+
 def raises() -> dict[str, Any]:
     """A rank's exception arrives with its traceback."""
-    with distribute(raise_on_rank_1, num_replicas=2, replicas_per_node=1, name="pair") as fn:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - what it raised is the result
-            return _failure_of(exc)
-    return {"type": None}
+    return _failure(raise_on_rank_1)
 
 
 def crash() -> dict[str, Any]:
     """A rank SIGKILLed after a line: its last words, read on its node, are shown."""
-    with distribute(die_on_rank_1, num_replicas=2, replicas_per_node=1, name="pair") as fn:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - what it raised is the result
-            return _failure_of(exc)
-    return {"type": None}
+    return _failure(die_on_rank_1)
 
 
 class _Tee(io.TextIOBase):
@@ -180,7 +160,7 @@ def detached() -> dict[str, Any]:
     try:
         result["live"] = {"type": None, "result": running.result(timeout=SCENARIO_S)}
     except Exception as exc:  # noqa: BLE001 - what it raised is the result
-        result["live"] = _failure_of(exc)
+        result["live"] = failure_of(exc)
     result["live_again"] = live(3)  # a new session, a new pool
     live.shutdown()
     begun = time.monotonic()
@@ -236,38 +216,16 @@ SCENARIOS: list[Callable[[], dict[str, Any]]] = [
 ]
 
 
-@contextlib.contextmanager
-def _limit(seconds: int) -> Iterator[None]:
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def main() -> None:
-    """Run every scenario, each under its limit; write the report after each."""
-    out = Path(sys.argv[1])
-    report: dict[str, Any] = {"tmp": sorted(os.listdir("/tmp")), "home": os.environ["HOME"]}
+    """Run every scenario (or those LAPTOP_SCENARIOS names), each under its limit; write
+    the report after each."""
     chosen = os.environ.get("LAPTOP_SCENARIOS", "").split()  # by hand: some of them
-    for scenario in SCENARIOS:
-        name = scenario.__name__
-        if chosen and name not in chosen:
-            continue
-        print(f"=== {name} ===", flush=True)
-        print(f"=== {name} ===", file=sys.stderr, flush=True)
-        started = time.monotonic()
-        try:
-            with _limit(SCENARIO_S):
-                entry = scenario()
-        except Exception as exc:  # noqa: BLE001 - a scenario's failure is its result
-            entry = {"error": "".join(traceback.format_exception(exc))}
-        entry["seconds"] = round(time.monotonic() - started, 2)
-        report[name] = entry
-        out.write_text(json.dumps(report, indent=1, default=repr))
-    sys.stdout.flush()
+    run_all(
+        [(s.__name__, s) for s in SCENARIOS if not chosen or s.__name__ in chosen],
+        Path(sys.argv[1]),
+        SCENARIO_S,
+        report={"tmp": sorted(os.listdir("/tmp")), "home": os.environ["HOME"]},
+    )
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ from tests.hosts import LAPTOP, RAY_ADDRESS_FILE, REPO, Hosts, boot, laptop_kept
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DRIVER = Path(__file__).resolve().parent / "bare_nodes_driver.py"
+SCENARIOS = DRIVER.parent / "scenarios.py"
+"""What both drivers share, copied beside each."""
 DRIVER_TIMEOUT_S = 480
 CLI_READY_S = 120
 CLI_TIMEOUT_S = 60
@@ -218,6 +220,7 @@ def project(two_hosts: Hosts) -> Path:
     folder = two_hosts.tmp / "project"
     folder.mkdir()
     shutil.copy(DRIVER, folder / DRIVER.name)
+    shutil.copy(SCENARIOS, folder / SCENARIOS.name)
     (folder / "readme_example.py").write_text(example.group(1))
     return folder
 
@@ -599,29 +602,14 @@ LINK_DOWN_S = 12
 
 
 @dataclass
-class LaptopReport:
+class LaptopReport(Report):
     """What the laptop's driver wrote and printed, and when its link was down."""
 
-    scenarios: dict[str, Any]
-    stdout: str
-    stderr: str
-    returncode: int | None
     link: dict[str, Any]
-    hosts: Hosts
-
-    def section(self, name: str) -> dict[str, Any]:
-        """Scenario `name`'s entry; fail with the driver's output if it raised or is missing."""
-        entry = self.scenarios.get(name)
-        if entry is None or "error" in entry:
-            pytest.fail(f"laptop scenario {name}: {entry}\n{self.show()}")
-        return entry
 
     def show(self) -> str:
         """For a failed assertion: the laptop's status and output, the link, the nodes' logs."""
-        return (
-            f"laptop exit {self.returncode}, link {self.link}\nstdout:\n{self.stdout[-6000:]}"
-            f"\nstderr:\n{self.stderr[-10000:]}\n{self.hosts.ray_logs()}"
-        )
+        return f"laptop's link {self.link}\n{super().show()}"
 
 
 def _cut_link(hosts: Hosts, link: dict[str, Any]) -> None:
@@ -650,6 +638,7 @@ def laptop(two_hosts: Hosts, project: Path, report: Report) -> LaptopReport:
     folder = h.tmp / "laptop"
     folder.mkdir()
     shutil.copy(LAPTOP_DRIVER, folder / LAPTOP_DRIVER.name)
+    shutil.copy(SCENARIOS, folder / SCENARIOS.name)
     shutil.copy(project / "readme_example.py", folder / "readme_example.py")
     argv = h.laptop_argv([sys.executable, LAPTOP_DRIVER.name, "/mnt/report.json"], folder)
     env = h.laptop_env(RAY_CLIENT_RECONNECT_GRACE_PERIOD=str(GRACE_S))
@@ -677,7 +666,7 @@ def laptop(two_hosts: Hosts, project: Path, report: Report) -> LaptopReport:
     scenarios = json.loads(path.read_text()) if path.exists() else {}
     print({name: e.get("seconds") for name, e in scenarios.items() if isinstance(e, dict)})
     return LaptopReport(
-        scenarios, _read(folder / "out.log"), _read(folder / "err.log"), returncode, link, h
+        scenarios, _read(folder / "out.log"), _read(folder / "err.log"), returncode, h, link
     )
 
 

@@ -6,6 +6,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
+
 RAY_MARKERS = (b":actor_name:", b":task_name:", b":job_id:")
 """Lines Ray's worker writes to its stdout/stderr at each task, for its own log files."""
 EXIT_STREAM = "exit"
@@ -20,8 +22,6 @@ def wire(value: Any) -> bytes:
     actor returns it to the driver: between them a Ray Client server (a driver through
     `ray://`) unpickles what it passes on, and it may lack this package (a head that has
     none), never bytes."""
-    import cloudpickle
-
     return bytes(cloudpickle.dumps(value, pickle.HIGHEST_PROTOCOL))
 
 

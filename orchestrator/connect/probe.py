@@ -90,8 +90,8 @@ def _rpc_answer(
     has, so that it checks the token: the GCS's, or the Ray Client server's ping). Any
     other HTTP/2 server (a 404, a reset, silence) would hold Ray's connect for minutes,
     deaf to signals. One call by hand (Ray ships no gRPC for Python): HEADERS, then the
-    message, on stream 1. `skip`: bytes of the
-    server's first frame still unread; `client`: the server is Ray Client's (`ray://`).
+    message, on stream 1. `skip`: bytes of the server's first frame still unread;
+    `client`: the server is Ray Client's (`ray://`).
     """
     import hpack  # only here: decoding the answer's headers (Huffman-coded, indexed)
 
@@ -100,14 +100,7 @@ def _rpc_answer(
     token = _ray_compat.auth_headers()
     path, body = (_RAY_CLIENT_CALL, _PING) if client else (_GCS_CALL, b"")
     message = b"\0" + len(body).to_bytes(4, "big") + body  # gRPC: not compressed, length
-    block = (
-        b"\x83\x86"  # :method POST, :scheme http (HPACK's static table)
-        + b"\x04" + _hpack_string(path)
-        + b"\x01" + _hpack_string(authority.encode())
-        + _literal(b"content-type", b"application/grpc")
-        + _literal(b"te", b"trailers")
-        + b"".join(_literal(k.lower().encode(), v.encode()) for k, v in token.items())
-    )
+    block = _request_headers(path, authority, token)
     stream = (1).to_bytes(4, "big")
     sock.sendall(
         bytes([0, 0, 0, 4, 1]) + b"\0\0\0\0"  # SETTINGS ACK
@@ -155,20 +148,16 @@ _UNAUTHENTICATED = "16"
 """gRPC's status code for a call without valid credentials."""
 
 
-def _hpack_string(data: bytes) -> bytes:
-    """`data` as an HPACK string literal, not Huffman-coded (a 7-bit prefixed length)."""
-    if len(data) < 127:
-        return bytes([len(data)]) + data
-    rest, encoded = len(data) - 127, bytearray([127])
-    while rest >= 128:
-        encoded.append(rest % 128 + 128)
-        rest //= 128
-    return bytes([*encoded, rest]) + data
+def _request_headers(path: bytes, authority: str, token: dict[str, str]) -> bytes:
+    """The gRPC call's HEADERS block (HPACK), with Ray's token headers where it has some."""
+    import hpack
 
-
-def _literal(name: bytes, value: bytes) -> bytes:
-    """A header field in HPACK: a literal not indexed, with a new name."""
-    return b"\0" + _hpack_string(name) + _hpack_string(value)
+    fields = [
+        (":method", "POST"), (":scheme", "http"), (":path", path.decode()),
+        (":authority", authority), ("content-type", "application/grpc"), ("te", "trailers"),
+        *((name.lower(), value) for name, value in token.items()),
+    ]  # fmt: skip
+    return bytes(hpack.Encoder().encode(fields))
 
 
 def _grpc_headers(
