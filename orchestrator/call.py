@@ -78,13 +78,15 @@ class Call:
         stop: threading.Event | None = None,
         restart_count: int = 0,
         earlier: Sequence[BaseException] = (),
+        job_secret: bytes = b"",
     ) -> None:
         """Start the shipped function (see `shipping.ship`) on every rank of `pool`.
 
         Its output is shown as `options` say, and filed in `log_dir` (the job's, one for
         all its attempts); `sink(stream, text)` takes it instead of the console (a
         notebook cell); `journal` records every chunk too (a detached job's). `earlier`:
-        the job's failed attempts, for this one's error.
+        the job's failed attempts, for this one's error. `job_secret`: the same for all
+        the job's attempts (its ranks' snapshots, see snapshot).
         """
         self.pool = pool
         self.console = Console(
@@ -112,6 +114,7 @@ class Call:
             share_key=self.share_key,
             uses_torch=shipped.uses_torch or pool.request.gpus_per_replica > 0,
             watched=options.stall_after is not None,
+            job_secret=job_secret,
         )
         packed_call = pickle.dumps(call, pickle.HIGHEST_PROTOCOL)
         self.call_id = self.share_key.encode()

@@ -9,6 +9,7 @@ replaced. When the runner is no longer referenced, a finalizer releases its pool
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections import deque
@@ -211,9 +212,10 @@ class Runner:
         A cancelled job is settled by cancel(); every other outcome here.
         """
         earlier: list[BaseException] = []
+        secret = os.urandom(32)  # the job's, for all its attempts (its ranks' snapshots)
         while not job._stop_requested.is_set():
             try:
-                value = self._attempt(job, shipped, options, plan, earlier)
+                value = self._attempt(job, shipped, options, plan, earlier, secret=secret)
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
                 if cluster.lost_session(exc):  # its ranks ended with the session
                     self._box.pool = None
@@ -255,6 +257,8 @@ class Runner:
         options: Options,
         plan: Plan | None,
         earlier: list[BaseException],
+        *,
+        secret: bytes,
     ) -> list[Any]:
         if self.pool is not None and self.pool.session != cluster.session():
             self._box.pool = None  # its actors ended with an earlier Ray Client session
@@ -272,6 +276,7 @@ class Runner:
             stop=job._stop_requested,
             restart_count=len(earlier),
             earlier=earlier,
+            job_secret=secret,
         )
         job._attempt(attempt)
         return attempt.wait()

@@ -23,8 +23,10 @@ from orchestrator_workers import (
     elastic,
     environment,
     handoff,
+    leftovers,
     script,
     sharing,
+    snapshot,
     stacks,
 )
 from orchestrator_workers.capture import Capture
@@ -92,6 +94,7 @@ class RankActor:
             )
             self._importing.start()
         sharing.remove("", older_than=sharing.STALE_S)  # what killed ranks may have left here
+        leftovers.note_servers()  # Ray's: connections to them are never a call's leftovers
 
     def __repr__(self) -> str:
         """Ray prefixes this actor's log lines with its repr."""
@@ -206,6 +209,14 @@ class RankActor:
             spec = _for_call(base, call, share_key=f"{call.share_key}-{self._node_id[:16]}")
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return True, cloudpickle.dumps(self._failure(exc, time.time(), setup=True))
+        snapshot.enter(
+            spec.rank,
+            spec.world_size,
+            restart_count=spec.restart_count,
+            secret=call.job_secret,
+            host=self._node_ip,
+            node=self._node_id,
+        )
         outcome = self._run(spec, payload, watched=call.watched, call_key=call.share_key)
         try:
             return isinstance(outcome, RankFailure), cloudpickle.dumps(outcome)
@@ -237,6 +248,7 @@ class RankActor:
             del payload, buffers  # this rank holds no reference to the object store's copy
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return self._failure(exc, time.time(), setup=True)
+        opened = leftovers.mark() if spec.uses_torch else None
         error_file = os.environ.get(elastic.VAR, "")
         elastic.prepare(error_file)  # new and empty: an earlier call's (a caught error's) goes
         started = time.time()
@@ -253,6 +265,8 @@ class RankActor:
             if spec.post_mortem and exc.__traceback__ is not None:
                 debugger.post_mortem(exc.__traceback__)
             _destroy_process_group()
+            if opened is not None:  # what gloo keeps open: peers waiting on it fail now
+                leftovers.shut_since(opened, keep_ports=[snapshot.keeper_port()])
             failure = self._failure(exc, when, setup=False)
             report = elastic.read(error_file, started)
             if report is None:
@@ -336,6 +350,7 @@ def _import_torch() -> None:
 
 def _destroy_process_group() -> None:
     """Leave no process group behind, so that the next call's init matches its peers'."""
+    snapshot.leave()
     if "torch.distributed" not in sys.modules:
         return  # never imported: no group to leave (and no torch to load for nothing)
     import torch.distributed as dist

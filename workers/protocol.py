@@ -142,6 +142,9 @@ class CallSpec:
     uses_torch: bool
     watched: bool = True
     """Whether the rank looks where its function is, five times a second (stall_after)."""
+    job_secret: bytes = field(default=b"", repr=False)
+    """The job's secret, the same for all its attempts: its ranks' snapshot channel proves
+    it (see buddies); never shown."""
 
 
 @dataclass(frozen=True)

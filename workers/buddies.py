@@ -1,0 +1,261 @@
+"""The channel that carries in-memory snapshots between ranks (see snapshot): each rank
+keeps its wards' copies in its own process and hands them back.
+
+A rank listens on its node's IP, on a TCP port the OS picks, once it first saves or
+restores. Every connection starts with a mutual challenge: both sides send a fresh nonce
+and prove, with an HMAC-SHA256 over both nonces keyed by the job's secret, that they hold
+it. The driver makes that secret for each job and sends it to the ranks through Ray with
+the call (as the doors' secrets travel, see handoff); it never appears in the
+environment, a repr or a log. So a process without it can neither store a copy nor get
+one, and a listener that is not a rank of this job learns nothing from a rank that
+connects to it. A connection that has not proven itself within 1 s is closed, so a silent
+one never holds the listener. Nothing received is unpickled here: a copy's bytes are kept
+as they came and handed back to the rank they belong to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+HANDSHAKE_S = 1.0
+"""How long a connection may take to prove it holds the job's secret."""
+IO_S = 120.0
+"""The longest pause between two reads or writes of a copy's bytes."""
+_MAGIC = b"orchestrator-snapshot-1\n"
+_NONCE = 16
+_PUT, _GET = b"P", b"G"
+_KEPT, _NONE = b"K", b"N"
+_REQUEST = struct.Struct("!cIqQQ")  # op, ward, step, header bytes, body bytes
+_SIZES = struct.Struct("!QQ")
+
+
+@dataclass
+class Copy:
+    """One rank's snapshot as bytes: its header (opaque here) and its tensors' bytes."""
+
+    step: int
+    header: bytes
+    body: bytearray = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the header and the body."""
+        return len(self.header) + len(self.body)
+
+
+class ChannelError(ConnectionError):
+    """A peer could not be reached, did not prove it holds the job's secret, or broke off."""
+
+
+class Keeper:
+    """This rank's listener and the wards' copies it keeps, by ward and step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key = b""
+        self._held: dict[int, dict[int, Copy]] = {}
+        self._listener: socket.socket | None = None
+        self.address: tuple[str, int] = ("", 0)
+
+    def serve(self, host: str, key: bytes) -> tuple[str, int]:
+        """Listen on `host` (once per process) for the job whose secret is `key`; a new
+        job's key drops every copy kept for another. Returns the address peers reach."""
+        with self._lock:
+            if key != self._key:
+                self._held.clear()
+                self._key = key
+            if self._listener is None:
+                listener = socket.create_server((host, 0), backlog=64)
+                self._listener = listener
+                self.address = (host, listener.getsockname()[1])
+                threading.Thread(
+                    target=self._accept, args=(listener,), name="snapshot-keeper", daemon=True
+                ).start()
+            return self.address
+
+    def holdings(self) -> dict[int, list[int]]:
+        """The steps of the copies kept, by ward."""
+        with self._lock:
+            return {ward: sorted(copies) for ward, copies in self._held.items() if copies}
+
+    def settle(self, step: int) -> None:
+        """Keep only the copies of `step` (every rank has delivered it, or it was restored)."""
+        with self._lock:
+            for ward in list(self._held):
+                kept = {s: c for s, c in self._held[ward].items() if s == step}
+                if kept:
+                    self._held[ward] = kept
+                else:
+                    del self._held[ward]
+
+    def take(self, ward: int, step: int) -> Copy | None:
+        """The copy kept for `ward` at `step`, if any (it stays kept)."""
+        with self._lock:
+            return self._held.get(ward, {}).get(step)
+
+    def forget(self) -> None:
+        """Drop every copy kept."""
+        with self._lock:
+            self._held.clear()
+
+    def close_in_child(self) -> None:
+        """In a forked child: the listening socket is the parent's, not the child's."""
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+            self._listener = None
+        self._held = {}
+        self._lock = threading.Lock()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(HANDSHAKE_S)
+                with self._lock:
+                    key = self._key
+                if not key or not _prove(conn, key, server=True):
+                    return
+                conn.settimeout(IO_S)
+                op, ward, step, header_len, body_len = _REQUEST.unpack(
+                    _read(conn, _REQUEST.size)
+                )
+                if op == _PUT:
+                    header = bytes(_read(conn, header_len))
+                    body = _read(conn, body_len)
+                    with self._lock:
+                        if self._key != key:
+                            return  # another job's now
+                        self._held.setdefault(ward, {})[step] = Copy(step, header, body)
+                    conn.sendall(_KEPT)
+                elif op == _GET:
+                    copy = self.take(ward, step)
+                    if copy is None:
+                        conn.sendall(_NONE)
+                        return
+                    body_view = memoryview(copy.body)
+                    conn.sendall(_KEPT + _SIZES.pack(len(copy.header), body_view.nbytes))
+                    conn.sendall(copy.header)
+                    conn.sendall(body_view)
+            except (OSError, struct.error):
+                return  # a peer that broke off, or never proved itself: nothing kept
+
+
+def put(
+    address: tuple[str, int],
+    key: bytes,
+    *,
+    ward: int,
+    step: int,
+    header: bytes,
+    body: Iterable[memoryview],
+    body_len: int,
+    pause: threading.Event | None = None,
+) -> None:
+    """Give the rank at `address` ward `ward`'s copy of `step`: `body` is the tensors'
+    bytes in order, `body_len` bytes in all. Returns once it is kept there.
+
+    `pause` (a test hook, see snapshot): set once half the body is sent, then never returns.
+    """
+    with _connect(address, key) as conn:
+        conn.sendall(_REQUEST.pack(_PUT, ward, step, len(header), body_len))
+        conn.sendall(header)
+        sent = 0
+        for chunk in body:
+            conn.sendall(chunk)
+            sent += chunk.nbytes
+            if pause is not None and sent >= body_len // 2:
+                pause.set()
+                threading.Event().wait()
+        if conn.recv(1) != _KEPT:
+            raise ChannelError(f"the rank at {_where(address)} did not keep the copy")
+
+
+def get(address: tuple[str, int], key: bytes, ward: int, step: int) -> Copy:
+    """Ward `ward`'s copy of `step`, from the rank at `address` that keeps it."""
+    with _connect(address, key) as conn:
+        conn.sendall(_REQUEST.pack(_GET, ward, step, 0, 0))
+        if _read(conn, 1) != _KEPT:
+            raise ChannelError(f"the rank at {_where(address)} no longer keeps that copy")
+        header_len, body_len = _SIZES.unpack(_read(conn, _SIZES.size))
+        header = bytes(_read(conn, header_len))
+        return Copy(step, header, _read(conn, body_len))
+
+
+def _connect(address: tuple[str, int], key: bytes) -> socket.socket:
+    try:
+        conn = socket.create_connection(address, timeout=10)
+    except OSError as exc:
+        raise ChannelError(f"could not reach the rank at {_where(address)}: {exc}") from None
+    try:
+        conn.settimeout(HANDSHAKE_S * 5)
+        if not _prove(conn, key, server=False):
+            raise ChannelError(
+                f"the listener at {_where(address)} did not prove it holds this job's "
+                "secret: it is not a rank of this job"
+            )
+        conn.settimeout(IO_S)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _prove(conn: socket.socket, key: bytes, *, server: bool) -> bool:
+    """The mutual challenge: True once the peer proved it holds `key`, as this side did."""
+    mine = os.urandom(_NONCE)
+    if server:
+        hello = _read(conn, len(_MAGIC) + _NONCE)
+        if hello[: len(_MAGIC)] != _MAGIC:
+            return False
+        theirs = bytes(hello[len(_MAGIC) :])
+        conn.sendall(mine + _mac(key, b"keeper", theirs, mine))
+        return hmac.compare_digest(bytes(_read(conn, 32)), _mac(key, b"saver", theirs, mine))
+    conn.sendall(_MAGIC + mine)
+    answer = _read(conn, _NONCE + 32)
+    theirs = bytes(answer[:_NONCE])
+    if not hmac.compare_digest(bytes(answer[_NONCE:]), _mac(key, b"keeper", mine, theirs)):
+        return False
+    conn.sendall(_mac(key, b"saver", mine, theirs))
+    return True
+
+
+def _mac(key: bytes, role: bytes, saver_nonce: bytes, keeper_nonce: bytes) -> bytes:
+    return hmac.new(key, role + saver_nonce + keeper_nonce, hashlib.sha256).digest()
+
+
+def _read(conn: socket.socket, n: int) -> bytearray:
+    """Exactly `n` bytes (an OSError if the peer closes first)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        count = conn.recv_into(view[got:], min(n - got, 1 << 22))
+        if not count:
+            raise ConnectionResetError("the peer closed the connection")
+        got += count
+    return buf
+
+
+def _where(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+keeper = Keeper()
+"""This process's keeper (a rank's; created listening on first use)."""
+os.register_at_fork(after_in_child=keeper.close_in_child)

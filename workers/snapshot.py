@@ -1,0 +1,509 @@
+"""In-memory snapshots: a rank saves its training state every K steps, and after a restart
+every rank resumes from the newest step all of them can restore, with no disk.
+
+    from orchestrator import snapshot        # imports none of the driver's machinery
+
+    state = {"model": model, "optimizer": optimizer}
+    restored = snapshot.restore(state)       # None on a fresh start (and when lost)
+    step = 0 if restored is None else restored.step + 1
+    position = 0 if restored is None else restored.data
+    for step in range(step, steps):
+        ...
+        if (step + 1) % 50 == 0:
+            snapshot.save(step, state, data=position)
+
+Two copies of each rank's snapshot: its own, in its process, and one its buddy keeps, a
+rank on another node (see buddies), so that a lost rank or a lost node loses none. Both
+live in process memory, not in Ray's object store (Ray frees a dead owner's objects) and
+not in /dev/shm. `save` is collective: every rank calls it at the same step, after
+`init_process_group`. A snapshot counts only once every rank's buddy holds it; until
+then the previous one is kept, so a rank lost in the middle of one costs one interval
+more, never a mix of steps. `restore` is collective too: the ranks agree on the newest
+step every one of them can restore, survivors from their own copies, replaced ranks from
+their buddies'. What is saved: each value's `state_dict()` (or the value itself), the
+RNG states (Python's, torch's, CUDA's, numpy's), the step and `data` (a position in the
+data: DataLoader iterators are not captured).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import os
+import pickle
+import random
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from orchestrator_workers import buddies
+
+if TYPE_CHECKING:
+    import torch
+
+PAUSE_VAR = "ORCHESTRATOR_SNAPSHOT_PAUSE"
+"""Test hook: `STEP:RANK:FILE` makes rank RANK, on a job's first attempt, once half of its
+copy of step STEP has reached its buddy, write its pid to FILE and wait there for ever
+(to be killed in the middle of a snapshot)."""
+_ALIGN = 64
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot that cannot be taken or used (not in a rank, no room, no group)."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `restore` brought back: the state was loaded into the objects given."""
+
+    step: int
+    data: Any
+    """The `data` given to `save` (a position in the data)."""
+    state: dict[str, Any] = field(repr=False)
+    """What was saved, by name: a state dict for each object loaded in place."""
+    source: str = "own"
+    """"own" (this process's copy) or "rank N" (the copy its buddy, rank N, kept)."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What the rank's actor tells this module about the call running now."""
+
+    rank: int
+    world_size: int
+    restart_count: int
+    secret: bytes = field(repr=False)
+    host: str
+    node: str
+
+
+@dataclass
+class _Own:
+    """This rank's own copy: its header and body, and the step (None while rewritten)."""
+
+    step: int | None
+    header: bytes
+    body: bytearray = field(repr=False)
+    layout: tuple[tuple[str, tuple[int, ...], int, int], ...]
+
+
+_call: _Call | None = None
+_own: _Own | None = None
+_gloo: Any = None
+"""The gloo group this module's collectives use where the default group is not gloo's;
+dropped as each call ends (held, it would keep its peers' connections open)."""
+
+
+def enter(
+    rank: int, world_size: int, *, restart_count: int, secret: bytes, host: str, node: str
+) -> None:
+    """Called by the rank's actor before each call: a new job's secret drops what an
+    earlier job left (its own copy and the copies kept for its wards)."""
+    global _call, _own  # noqa: PLW0603 - one rank per process
+    if _call is None or _call.secret != secret:
+        _own = None
+        buddies.keeper.forget()
+    _call = _Call(rank, world_size, restart_count, secret, host, node)
+
+
+def leave() -> None:
+    """Called by the rank's actor as each call ends: no process group is held past it (a
+    survivor's would keep its dead peer's connections, and its peers, waiting)."""
+    global _gloo  # noqa: PLW0603 - one rank per process
+    _gloo = None
+
+
+def keeper_port() -> int:
+    """The port this rank's keeper listens on (0: none yet)."""
+    return buddies.keeper.address[1]
+
+
+def save(step: int, state: Mapping[str, Any], *, data: Any = None) -> None:
+    """Snapshot `state` (objects with `state_dict()`, or plain values) at `step`, with
+    `data` (the position in the data to resume from), into memory here and at a buddy
+    rank; collective: every rank calls it at the same step."""
+    import torch
+    import torch.distributed as dist
+
+    call, group = _enter_collective("save")
+    header, tensors = _frame(step, state, data)
+    layout = _layout(tensors)
+    body_len = layout[-1][2] + layout[-1][3] if layout else 0
+    host, port = buddies.keeper.serve(call.host, call.secret)
+    grown = 0 if _own is not None and _own.layout == layout else body_len
+    mine = (call.node, host, port, len(header) + body_len, grown, _available_memory())
+    ranks: list[Any] = [None] * call.world_size
+    dist.all_gather_object(ranks, mine, group=group)
+    _check_room(ranks, call.node, step)
+    buddy = _buddies([r[0] for r in ranks])[call.rank]
+    failure = ""
+    if buddy != call.rank:
+        try:
+            buddies.put(
+                (ranks[buddy][1], ranks[buddy][2]),
+                call.secret,
+                ward=call.rank,
+                step=step,
+                header=header,
+                body=_chunks(tensors, layout),
+                body_len=body_len,
+                pause=_pause(step, call.rank),
+            )
+        except (buddies.ChannelError, OSError) as exc:
+            failure = f"rank {call.rank} could not give its copy to rank {buddy}: {exc}"
+    # An all_reduce, not a gather: gloo's ring gather leaves a rank waiting for ever on a
+    # live neighbour that failed out when a rank is lost here; its all_reduce fails all.
+    failed = torch.tensor([1 if failure else 0])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if failed.item():  # keep the previous snapshot: it is still whole everywhere
+        if failure:
+            print(f"[snapshot] step {step} not kept (the last one stays): {failure}",
+                  file=sys.stderr, flush=True)
+        return
+    buddies.keeper.settle(step)
+    _keep_own(step, header, tensors, layout)
+
+
+def restore(state: Mapping[str, Any]) -> Restored | None:
+    """Load the newest snapshot every rank can restore into `state`'s objects; None on a
+    fresh start, or when some rank's copies are all lost (said on rank 0: then load
+    your own checkpoint). Collective: every rank calls it, after init_process_group."""
+    import torch.distributed as dist
+
+    global _own  # noqa: PLW0603 - one rank per process
+    call = _current("restore")
+    if call.restart_count == 0:
+        _forget()
+        return None
+    call, group = _enter_collective("restore")
+    host, port = buddies.keeper.serve(call.host, call.secret)
+    own_step = _own.step if _own is not None else None
+    mine = (host, port, own_step, buddies.keeper.holdings())
+    ranks: list[Any] = [None] * call.world_size
+    dist.all_gather_object(ranks, mine, group=group)
+    step, missing = _agree(ranks)
+    if step is None:
+        if call.rank == 0:
+            _say_lost(missing, any(r[2] is not None or r[3] for r in ranks))
+        _forget()
+        return None
+    source = "own"
+    if own_step == step and _own is not None:
+        header, body = _own.header, _own.body
+    else:
+        holder = next(h for h, r in enumerate(ranks) if step in r[3].get(call.rank, ()))
+        copy = buddies.get((ranks[holder][0], ranks[holder][1]), call.secret, call.rank, step)
+        header, body = copy.header, copy.body
+        source = f"rank {holder}"
+    buddies.keeper.settle(step)
+    restored = _load(header, body, state, source)
+    _own = _Own(step, header, body, restored[1])
+    sources: list[Any] = [None] * call.world_size
+    dist.all_gather_object(sources, source, group=group)
+    if call.rank == 0:
+        _say_restored(step, sources)
+    return restored[0]
+
+
+def _current(what: str) -> _Call:
+    if _call is None:
+        raise SnapshotError(
+            f"snapshot.{what}() works inside a function run by distribute(); here there "
+            "is no rank to keep it (save a checkpoint to disk instead)"
+        )
+    return _call
+
+
+def _enter_collective(what: str) -> tuple[_Call, Any]:
+    """The call, and the group for this module's collectives: the default one where it
+    is gloo's (None), else a gloo group made once per call, on every rank at once."""
+    global _gloo  # noqa: PLW0603 - one rank per process
+    import torch.distributed as dist
+
+    call = _current(what)
+    if not dist.is_available() or not dist.is_initialized():
+        raise SnapshotError(
+            f"snapshot.{what}() is collective: call it on every rank after "
+            "torch.distributed.init_process_group()"
+        )
+    if dist.get_backend() == "gloo":
+        return call, None
+    if _gloo is None:
+        _gloo = dist.new_group(backend="gloo")
+    return call, _gloo
+
+
+def _forget() -> None:
+    global _own  # noqa: PLW0603 - one rank per process
+    _own = None
+    buddies.keeper.forget()
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a state with its tensors left out (listed in `tensors`, once each)."""
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+        self.seen: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        """A tensor's index in `tensors`; None for anything else (pickled as usual)."""
+        import torch
+
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if obj.is_sparse or obj.is_quantized or type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            raise SnapshotError(
+                f"snapshot.save() takes dense tensors; a {type(obj).__name__} "
+                f"({obj.layout}) is in the state: for sharded state (DTensor, FSDP2) use "
+                "torch.distributed.checkpoint"
+            )
+        index = self.seen.get(id(obj))
+        if index is None:
+            index = self.seen[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return index
+
+
+def _frame(step: int, state: Mapping[str, Any], data: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """The header (everything but the tensors' bytes, pickled) and the tensors in order."""
+    values = {
+        name: value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+        for name, value in state.items()
+    }
+    tensors: list[torch.Tensor] = []
+    out = io.BytesIO()
+    _Pickler(out, tensors).dump({"step": step, "data": data, "state": values, "rng": _rng()})
+    layout = _layout(tensors)
+    return pickle.dumps((out.getvalue(), layout), pickle.HIGHEST_PROTOCOL), tensors
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
+    """(dtype, shape, offset, bytes) of each tensor in the body, aligned."""
+    out = []
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        out.append((str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return tuple(out)
+
+
+def _chunks(tensors: list[torch.Tensor], layout: tuple[Any, ...]) -> Iterator[memoryview]:
+    """The body's bytes, tensor by tensor (with the alignment's padding), without a copy
+    of tensors already contiguous in CPU memory."""
+    written = 0
+    for tensor, (_, _, offset, nbytes) in zip(tensors, layout, strict=True):
+        if offset > written:
+            yield memoryview(bytes(offset - written))
+        with _bytes_of(tensor) as view:
+            yield view
+        written = offset + nbytes
+    end = layout[-1][2] + layout[-1][3] if layout else 0
+    if end > written:
+        yield memoryview(bytes(end - written))
+
+
+@contextlib.contextmanager
+def _bytes_of(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """The tensor's bytes in CPU memory, read in place where it is contiguous there."""
+    flat = tensor.detach()
+    if flat.device.type != "cpu" or not flat.is_contiguous() or flat.is_conj() or flat.is_neg():
+        flat = flat.resolve_conj().resolve_neg().to("cpu").contiguous()
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        yield memoryview(b"")
+        return
+    yield memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")
+    del flat  # kept alive until here: the view reads its memory
+
+
+def _keep_own(step: int, header: bytes, tensors: list[torch.Tensor], layout: Any) -> None:
+    """This rank's own copy becomes `step`'s, rewritten in place where the layout is the same."""
+    global _own  # noqa: PLW0603 - one rank per process
+    size = layout[-1][2] + layout[-1][3] if layout else 0
+    if _own is None or _own.layout != layout:
+        _own = None  # the old one's memory first
+        _own = _Own(None, header, bytearray(size), layout)
+    _own.step = None  # not whole while rewritten
+    body = memoryview(_own.body)
+    for tensor, (_, _, offset, nbytes) in zip(tensors, layout, strict=True):
+        with _bytes_of(tensor) as view:
+            body[offset : offset + nbytes] = view
+    _own.header = header
+    _own.step = step
+
+
+def _load(
+    header: bytes, body: bytearray, state: Mapping[str, Any], source: str
+) -> tuple[Restored, Any]:
+    """Load a copy into `state`'s objects and the RNGs: (what was restored, its layout).
+    Tensors are copies: an optimizer's loaded state never shares the snapshot's memory."""
+    import torch
+
+    skeleton, layout = pickle.loads(header)  # noqa: S301 - this rank's own, or its buddy's over the job's authenticated channel
+    tensors = []
+    for dtype_name, shape, offset, nbytes in layout:
+        dtype = getattr(torch, dtype_name)
+        if nbytes == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        raw = torch.frombuffer(body, dtype=torch.uint8, count=nbytes, offset=offset)
+        tensors.append(raw.view(dtype).view(shape).clone())
+
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            return tensors[pid]
+
+    saved = _Unpickler(io.BytesIO(skeleton)).load()
+    for name, value in state.items():
+        if name in saved["state"] and callable(getattr(value, "load_state_dict", None)):
+            value.load_state_dict(saved["state"][name])
+    _set_rng(saved["rng"])
+    return Restored(saved["step"], saved["data"], saved["state"], source), tuple(layout)
+
+
+def _rng() -> dict[str, Any]:
+    import torch
+
+    numpy = sys.modules.get("numpy")
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        "numpy": numpy.random.get_state() if numpy is not None else None,
+    }
+
+
+def _set_rng(states: dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    numpy = sys.modules.get("numpy")
+    if states["numpy"] is not None and numpy is not None:
+        numpy.random.set_state(states["numpy"])
+
+
+def _buddies(nodes: list[str]) -> list[int]:
+    """For each rank, the rank that keeps its copy: counting on from one node's worth of
+    ranks, the first on another node (on one node, the next rank; alone, itself)."""
+    world = len(nodes)
+    per_node = nodes.count(nodes[0])
+    out = []
+    for rank in range(world):
+        others = [(rank + per_node + k) % world for k in range(world)]
+        away = [r for r in others if nodes[r] != nodes[rank]]
+        out.append(away[0] if away else (rank + 1) % world)
+    return out
+
+
+def _agree(ranks: list[Any]) -> tuple[int | None, list[int]]:
+    """The newest step every rank can restore (its own copy, or one another rank keeps
+    for it), and the ranks with nothing of it; (None, those ranks) where there is none."""
+    world = len(ranks)
+    steps: list[set[int]] = []
+    for rank in range(world):
+        have = {step for _, _, _, held in ranks for step in held.get(rank, ())}
+        if ranks[rank][2] is not None:
+            have.add(ranks[rank][2])
+        steps.append(have)
+    common = set.intersection(*steps) if steps else set()
+    if common:
+        return max(common), []
+    newest = max((max(s) for s in steps if s), default=None)
+    return None, [r for r in range(world) if newest is None or newest not in steps[r]]
+
+
+def _say_lost(missing: list[int], any_kept: bool) -> None:
+    if not any_kept:
+        print("[snapshot] nothing to restore: no snapshot was taken before the failure",
+              file=sys.stderr, flush=True)
+        return
+    who = ", ".join(map(str, missing))
+    print(
+        f"[snapshot] nothing restored: every copy of the snapshots of rank(s) {who} is "
+        "lost (a rank and the buddy that kept its copy, or their nodes, were lost "
+        "together); no step is whole on every rank, and a mix of steps is never "
+        "restored: load your own checkpoint",
+        file=sys.stderr, flush=True,
+    )
+
+
+def _say_restored(step: int, sources: list[str]) -> None:
+    from_buddy = [f"rank {r} from {s}'s copy" for r, s in enumerate(sources) if s != "own"]
+    own = [str(r) for r, s in enumerate(sources) if s == "own"]
+    parts = from_buddy + ([f"rank(s) {', '.join(own)} from their own"] if own else [])
+    print(f"[snapshot] restored step {step} from memory: {'; '.join(parts)}",
+          file=sys.stderr, flush=True)
+
+
+def _available_memory() -> int:
+    """Bytes this node can still give: MemAvailable, or less under a cgroup's limit."""
+    available = 1 << 62
+    cgroup = "/sys/fs/cgroup/memory"
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as info:
+        line = next(line for line in info if line.startswith("MemAvailable:"))
+        available = int(line.split()[1]) * 1024
+    with (
+        contextlib.suppress(OSError, ValueError),
+        open(f"{cgroup}.max") as limit,
+        open(f"{cgroup}.current") as used,
+    ):
+        text = limit.read().strip()
+        if text != "max":
+            available = min(available, int(text) - int(used.read()))
+    return available
+
+
+def _check_room(ranks: list[Any], node: str, step: int) -> None:
+    """Raise on every rank alike if some node cannot hold what this snapshot adds there:
+    each rank's ward's new copy (the previous one is kept until every rank has the new)
+    and a rank's own copy where it is new or grew."""
+    nodes: dict[str, tuple[int, int, list[int]]] = {}
+    wards = {buddy: ward for ward, buddy in enumerate(_buddies([r[0] for r in ranks]))}
+    for rank, (where, _, _, _, grown, available) in enumerate(ranks):
+        ward = wards.get(rank)
+        incoming = ranks[ward][3] if ward is not None and ward != rank else 0
+        need, _, members = nodes.get(where, (0, available, []))
+        nodes[where] = (need + grown + incoming, available, [*members, rank])
+    short = [(w, n, a, m) for w, (n, a, m) in nodes.items() if n > a]
+    if not short:
+        return
+    where, need, available, members = short[0]
+    raise SnapshotError(
+        f"the in-memory snapshot of step {step} needs {_gb(need)} more memory on the node "
+        f"of ranks {', '.join(map(str, members))} (their own copies, and the copies they "
+        f"keep for their buddies, all in process memory), and {_gb(available)} is "
+        "available there (MemAvailable, or the container's memory limit): save less "
+        "state, run fewer ranks per node, or checkpoint to disk instead"
+    )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _pause(step: int, rank: int) -> threading.Event | None:
+    """The test hook's event for this save (see PAUSE_VAR), or None."""
+    spec = os.environ.get(PAUSE_VAR, "")
+    if not spec or _call is None or _call.restart_count:
+        return None
+    at_step, at_rank, path = spec.split(":", 2)
+    if (int(at_step), int(at_rank)) != (step, rank):
+        return None
+    paused = threading.Event()
+
+    def note() -> None:
+        paused.wait()
+        with open(path, "w") as out:
+            out.write(str(os.getpid()))
+
+    threading.Thread(target=note, daemon=True).start()
+    return paused
