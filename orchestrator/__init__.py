@@ -10,7 +10,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from orchestrator.distribute import DistributedFunction, distribute
     from orchestrator.errors import (
         BusyError,
         ClusterMismatchError,
@@ -23,6 +22,7 @@ if TYPE_CHECKING:
         PlacementTimeoutError,
         StallError,
     )
+    from orchestrator.function import DistributedFunction, distribute
     from orchestrator.job import Job, JobStatus, RankStatus
     from orchestrator.options import CallOptions, default_log_dir
     from orchestrator.supervise.detached import JobInfo, get_job, list_jobs
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from orchestrator_workers.states import State
 
 _WHERE = {
-    "orchestrator.distribute": ("DistributedFunction", "distribute"),
+    "orchestrator.function": ("DistributedFunction", "distribute"),
     "orchestrator.errors": (
         "BusyError",
         "ClusterMismatchError",

@@ -9,7 +9,7 @@ from typing import Any
 
 from orchestrator.connect import rankside
 from orchestrator.diagnose import straggle
-from orchestrator.distribute import DistributedFunction
+from orchestrator.function import DistributedFunction
 from orchestrator.job import Job
 from orchestrator.pool import Pool
 from orchestrator.view import CallView

@@ -13,6 +13,20 @@ import orchestrator
 from orchestrator import ConfigError, distribute
 
 
+def test_every_public_name_is_itself_once_its_modules_are_imported():
+    """The package imports its names on first use; a submodule of the same name would
+    shadow one once imported (`from orchestrator import distribute` gave the module)."""
+    for module in set(orchestrator._MODULE_OF.values()):
+        importlib.import_module(module)
+    package = Path(orchestrator.__file__).parent
+    for name in orchestrator.__all__:
+        assert not (package / f"{name}.py").exists() and not (package / name).is_dir(), name
+        assert getattr(orchestrator, name) is getattr(
+            importlib.import_module(orchestrator._MODULE_OF[name]), name
+        )
+    assert callable(orchestrator.distribute)
+
+
 def test_public_api_is_small_and_stable():
     assert sorted(orchestrator.__all__) == [
         "BusyError",

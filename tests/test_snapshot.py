@@ -263,7 +263,7 @@ def test_importing_the_rank_side_api_loads_none_of_the_driver(processes):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
-    assert "orchestrator.distribute" not in out and "'ray'" not in out, out
+    assert "orchestrator.function" not in out and "'ray'" not in out, out
 
 
 @pytest.fixture(scope="module")

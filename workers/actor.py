@@ -131,6 +131,17 @@ class RankActor:
         return wire(self._capture.drain(timeout, gather))
 
     @ray.method(concurrency_group="control")
+    def unblock(self) -> None:
+        """After a peer failed: shut the connections this rank's process group accepted,
+        so that a collective waiting on them fails now (see leftovers)."""
+        self._unblock()
+
+    def _unblock(self) -> None:
+        store = self._stores.port
+        keep = (snapshot.keeper_port(),) if store is None else (snapshot.keeper_port(), store)
+        leftovers.shut_accepted(keep_ports=keep)
+
+    @ray.method(concurrency_group="control")
     def stacks(self) -> str:
         """The current stack of each of this rank's threads, without disturbing them."""
         return stacks.current_stacks()
@@ -248,7 +259,6 @@ class RankActor:
             del payload, buffers  # this rank holds no reference to the object store's copy
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return self._failure(exc, time.time(), setup=True)
-        opened = leftovers.mark() if spec.uses_torch else None
         error_file = os.environ.get(elastic.VAR, "")
         elastic.prepare(error_file)  # new and empty: an earlier call's (a caught error's) goes
         started = time.time()
@@ -265,8 +275,7 @@ class RankActor:
             if spec.post_mortem and exc.__traceback__ is not None:
                 debugger.post_mortem(exc.__traceback__)
             _destroy_process_group()
-            if opened is not None:  # what gloo keeps open: peers waiting on it fail now
-                leftovers.shut_since(opened, keep_ports=[snapshot.keeper_port()])
+            self._unblock()  # what gloo keeps open: peers waiting on this rank fail now
             failure = self._failure(exc, when, setup=False)
             report = elastic.read(error_file, started)
             if report is None:

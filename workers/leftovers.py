@@ -1,13 +1,16 @@
-"""The TCP connections a failed call left open, shut so that its peers fail at once.
+"""The connections a failed call's process group left open, shut so that ranks waiting
+on them in a collective fail at once and are kept.
 
 After a collective fails (a peer was lost), torch's gloo process group keeps its
-connections to the other ranks open, even once destroyed: a live peer that waits on this
-rank in a collective then waits out gloo's timeout (30 minutes by default), and is
-replaced as stuck instead of kept. Shutting the connections this rank's call opened and
-left open makes every such peer's collective fail in moments, and each peer then does the
-same: the failure reaches every rank of the group. Ours (the snapshot keeper's) are kept.
-A client the function opened and left open (say, to a tracking server) is shut too: it
-connects again when used, as after any dropped connection.
+connections to the other ranks open, even once destroyed: a live rank that waits on one
+of them in a collective then waits out gloo's timeout (30 minutes by default), and is
+replaced as stuck instead of kept. Each connection between two ranks was accepted by one
+of them, on a listener its process group opened during the call; when every rank shuts
+the connections it accepted there (a rank whose call failed does it at once, the driver
+asks the ranks still running), every connection between them is shut and every
+collective fails in moments. Never touched: Ray's listeners (those this process had
+before its first call), the snapshot keeper's and the rendezvous store's. A server the
+function itself started and left running loses its connections too.
 """
 
 from __future__ import annotations
@@ -24,45 +27,42 @@ _servers: set[int] = set()
 
 def note_servers() -> None:
     """Note the ports this process listens on now (once, as the rank's actor starts)."""
-    for sock in _sockets(None):
+    for sock in _sockets():
         with contextlib.suppress(OSError), sock:
             if _listening(sock):
                 _servers.add(sock.getsockname()[1])
 
 
-def mark() -> frozenset[str]:
-    """The descriptors open now (cheap: their numbers only), to compare with later."""
+def shut_accepted(keep_ports: Collection[int] = ()) -> int:
+    """Shut the connections accepted on listeners opened since the actor started, other
+    than `keep_ports`'; returns how many."""
+    sockets = list(_sockets())
     try:
-        return frozenset(os.listdir(_FDS))
-    except OSError:
-        return frozenset()
+        listeners = set()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                if _listening(sock):
+                    listeners.add(sock.getsockname()[1])
+        listeners -= _servers | set(keep_ports)
+        shut = 0
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                if not _listening(sock) and sock.getsockname()[1] in listeners:
+                    sock.shutdown(socket.SHUT_RDWR)  # the connection, for every holder
+                    shut += 1
+        return shut
+    finally:
+        for sock in sockets:
+            sock.close()  # our copy of the descriptor only
 
 
-def shut_since(before: frozenset[str], keep_ports: Collection[int] = ()) -> int:
-    """Shut the TCP connections opened since `before` and still open, except those on
-    `keep_ports` (either end) and those to this process's first servers; how many."""
-    kept = _servers | set(keep_ports)
-    shut = 0
-    for sock in _sockets(before):
-        with contextlib.suppress(OSError), sock:
-            if _listening(sock):
-                continue  # no peer waits on a listener
-            if sock.getsockname()[1] in kept or sock.getpeername()[1] in kept:
-                continue
-            sock.shutdown(socket.SHUT_RDWR)  # the connection itself, for every holder
-            shut += 1
-    return shut
-
-
-def _sockets(before: frozenset[str] | None) -> Iterator[socket.socket]:
-    """Copies (new descriptors) of this process's TCP sockets not among `before`."""
+def _sockets() -> Iterator[socket.socket]:
+    """Copies (new descriptors) of this process's TCP sockets."""
     try:
         names = os.listdir(_FDS)
     except OSError:
         return
     for name in names:
-        if before is not None and name in before:
-            continue
         with contextlib.suppress(OSError, ValueError):
             if not os.readlink(f"{_FDS}/{name}").startswith("socket:"):
                 continue

@@ -73,6 +73,12 @@ class StoreKeeper:
         store = self._store
         return store is not None and store.made
 
+    @property
+    def port(self) -> int | None:
+        """The running call's store port (None: none served)."""
+        store = self._store
+        return None if store is None else store.port
+
     def reserve(self) -> int:
         """Reserve a port for the next call's store; the running call's stays open."""
         with self._lock:

@@ -15,8 +15,8 @@ import ray
 from orchestrator import _ray_compat, placement
 from orchestrator.cli import torchrun, upload
 from orchestrator.connect import cluster, discovery, probe
-from orchestrator.distribute import distribute
 from orchestrator.errors import DistributedError, JobTimeoutError, LaunchError
+from orchestrator.function import distribute
 from orchestrator.options import clean_name
 from orchestrator.show import messages, text
 from orchestrator_workers.script import Script, ScriptExit, run_script
