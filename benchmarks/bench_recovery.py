@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nKill at step {KILL_STEP} -> every rank's first step after recovery "
           f"(snapshot or checkpoint every {EVERY} steps; median of {repeats})")
-    print(f"{'':<28}{'':<34}{'total':>8}{'restart':>9}{'restore':>9}{'1st step':>9}"
+    print(f"{'':<32}{'':<34}{'total':>8}{'restart':>9}{'restore':>9}{'1st step':>9}"
           f"{'redone':>8}")
     for where, label, t in rows:
-        print(f"{where:<28}{label:<34}{t['total']:>7.2f}s{t['restart']:>8.2f}s"
+        print(f"{where:<32}{label:<34}{t['total']:>7.2f}s{t['restart']:>8.2f}s"
               f"{t['restore']:>8.2f}s{t['first step']:>8.2f}s{t['redone']:>8.0f}")
     base = _median(rates["none"])
     print(f"\nThroughput, 4 ranks on 2 nodes, 100 MB/rank, {steps} steps, every 50 "
@@ -180,5 +179,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    time.sleep(0)
     sys.exit(main())

@@ -158,8 +158,8 @@ def test_a_node_without_room_for_the_copies_is_refused_on_every_rank_alike():
              ("b", "h", 3, gib, gib, 3 * gib), ("b", "h", 4, gib, gib, 3 * gib)]
     with pytest.raises(snapshot.SnapshotError, match=r"4\.00 GiB more memory on the node of "
                        r"ranks 2, 3 .* 3\.00 GiB is available there"):
-        snapshot._check_room(ranks, "a", 9)
-    snapshot._check_room([(n, h, p, c, 0, a) for n, h, p, c, _, a in ranks], "a", 19)
+        snapshot._check_room(ranks, 9)
+    snapshot._check_room([(n, h, p, c, 0, a) for n, h, p, c, _, a in ranks], 19)
 
 
 def test_the_snapshot_api_outside_a_rank_says_where_it_works(monkeypatch):
@@ -368,6 +368,6 @@ def test_a_restart_before_the_first_snapshot_has_nothing_to_restore(cluster, set
     finally:
         fn.shutdown()
     assert {r["restored"] for r in results} == {None}
-    assert "nothing to restore: no snapshot was taken before the failure" in capfd.readouterr().err
+    assert "nothing to restore: no rank holds a snapshot" in capfd.readouterr().err
     wait_resources_back()
 

@@ -137,7 +137,7 @@ def save(step: int, state: Mapping[str, Any], *, data: Any = None) -> None:
     mine = (call.node, host, port, len(header) + body_len, grown, _available_memory())
     ranks: list[Any] = [None] * call.world_size
     dist.all_gather_object(ranks, mine, group=group)
-    _check_room(ranks, call.node, step)
+    _check_room(ranks, step)
     buddy = _buddies([r[0] for r in ranks])[call.rank]
     failure = ""
     if buddy != call.rank:
@@ -154,9 +154,7 @@ def save(step: int, state: Mapping[str, Any], *, data: Any = None) -> None:
             )
         except (buddies.ChannelError, OSError) as exc:
             failure = f"rank {call.rank} could not give its copy to rank {buddy}: {exc}"
-    # An all_reduce, not a gather: gloo's ring gather leaves a rank waiting for ever on a
-    # live neighbour that failed out when a rank is lost here; its all_reduce fails all.
-    failed = torch.tensor([1 if failure else 0])
+    failed = torch.tensor([1 if failure else 0])  # whether some rank's copy did not arrive
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if failed.item():  # keep the previous snapshot: it is still whole everywhere
         if failure:
@@ -423,8 +421,11 @@ def _agree(ranks: list[Any]) -> tuple[int | None, list[int]]:
 
 def _say_lost(missing: list[int], any_kept: bool) -> None:
     if not any_kept:
-        print("[snapshot] nothing to restore: no snapshot was taken before the failure",
-              file=sys.stderr, flush=True)
+        print(
+            "[snapshot] nothing to restore: no rank holds a snapshot (none was taken "
+            "before the failure, or every rank that held one was replaced)",
+            file=sys.stderr, flush=True,
+        )
         return
     who = ", ".join(map(str, missing))
     print(
@@ -462,7 +463,7 @@ def _available_memory() -> int:
     return available
 
 
-def _check_room(ranks: list[Any], node: str, step: int) -> None:
+def _check_room(ranks: list[Any], step: int) -> None:
     """Raise on every rank alike if some node cannot hold what this snapshot adds there:
     each rank's ward's new copy (the previous one is kept until every rank has the new)
     and a rank's own copy where it is new or grew."""
