@@ -290,13 +290,8 @@ class Call:
 
         Dead ones, ones still running (perhaps stuck in a collective), and ones that
         raised an error of their own (their process may be in a bad state, e.g. CUDA's).
-        A rank that finished, or failed only because a peer did, is healthy. Ranks still
-        running are first told to shut their process group's connections: one waiting
-        in a gloo collective on a peer that failed out would otherwise wait for ever.
+        A rank that finished, or failed only because a peer did, is healthy.
         """
-        if settle_s > 0:
-            for rank in self.running() - self.output.dead:
-                self.pool.actors[rank].unblock.remote()  # its outcome comes as the run's
         until = time.monotonic() + settle_s
         while self.runs and (left := until - time.monotonic()) > 0:
             done = _ready(list(self.runs), left)

@@ -38,5 +38,12 @@ def repair(call: Call, attempt: int, error: BaseException) -> bool:
     Ranks still running may first take SETTLE_S to return (a peer's death reaches gloo
     ranks in moments); none after a timeout, where they are all stuck.
     """
-    broken = call.settle(0.0 if isinstance(error, JobTimeoutError) else SETTLE_S)
+    if isinstance(error, JobTimeoutError):
+        broken = call.settle(0.0)
+    else:
+        # A rank waiting in a gloo collective on a peer that failed out would wait for
+        # ever: the ranks still running shut their process group's connections first.
+        for rank in call.running() - call.output.dead:
+            call.pool.actors[rank].unblock.remote()  # its outcome comes as the run's
+        broken = call.settle(SETTLE_S)
     return len(broken) < len(call.pool.actors) and call.pool.replace(broken, attempt)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from orchestrator import distribute, restart
-from orchestrator_workers import buddies, snapshot
+from orchestrator_workers import buddies, frames, snapshot
 from tests.helpers import wait_resources_back
 
 STEPS, EVERY = 50, 10
@@ -124,9 +124,9 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
     optimizer.step()
     state = {"model": model, "optimizer": optimizer, "extra": {"bf16": torch.ones(3).bfloat16()}}
     torch.manual_seed(7)
-    header, tensors = snapshot._frame(12, state, data={"offset": 96})
-    layout = snapshot._layout(tensors)
-    body = bytearray(b"".join(bytes(c) for c in snapshot._chunks(tensors, layout)))
+    header, tensors = frames.frame(12, state, data={"offset": 96})
+    layout = frames.layout_of(tensors)
+    body = bytearray(b"".join(bytes(c) for c in frames.chunks(tensors, layout)))
     expected_draw = torch.rand(3)
 
     fresh = torch.nn.Linear(4, 3)
@@ -148,7 +148,7 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
 
 def test_a_sparse_tensor_is_refused_with_what_to_use():
     with pytest.raises(snapshot.SnapshotError, match=r"dense tensors.*checkpoint"):
-        snapshot._frame(0, {"t": torch.eye(2).to_sparse()}, None)
+        frames.frame(0, {"t": torch.eye(2).to_sparse()}, None)
 
 
 def test_a_node_without_room_for_the_copies_is_refused_on_every_rank_alike():

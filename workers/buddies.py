@@ -45,11 +45,6 @@ class Copy:
     header: bytes
     body: bytearray = field(repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the header and the body."""
-        return len(self.header) + len(self.body)
-
 
 class ChannelError(ConnectionError):
     """A peer could not be reached, did not prove it holds the job's secret, or broke off."""

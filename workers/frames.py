@@ -1,0 +1,155 @@
+"""A snapshot's frame: a training state as a header (everything but the tensors' bytes,
+pickled) and one body of the tensors' bytes, aligned; and back (see snapshot)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import pickle
+import random
+import sys
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+_ALIGN = 64
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot that cannot be taken or used (not in a rank, no room, no group)."""
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a state with its tensors left out (listed in `tensors`, once each)."""
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+        self.seen: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        """A tensor's index in `tensors`; None for anything else (pickled as usual)."""
+        import torch
+
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if obj.is_sparse or obj.is_quantized or type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            raise SnapshotError(
+                f"snapshot.save() takes dense tensors; a {type(obj).__name__} "
+                f"({obj.layout}) is in the state: for sharded state (DTensor, FSDP2) use "
+                "torch.distributed.checkpoint"
+            )
+        index = self.seen.get(id(obj))
+        if index is None:
+            index = self.seen[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return index
+
+
+def frame(step: int, state: Mapping[str, Any], data: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """The header (everything but the tensors' bytes, pickled) and the tensors in order."""
+    values = {
+        name: value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+        for name, value in state.items()
+    }
+    tensors: list[torch.Tensor] = []
+    out = io.BytesIO()
+    _Pickler(out, tensors).dump({"step": step, "data": data, "state": values, "rng": _rng()})
+    layout = layout_of(tensors)
+    return pickle.dumps((out.getvalue(), layout), pickle.HIGHEST_PROTOCOL), tensors
+
+
+def layout_of(tensors: list[torch.Tensor]) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
+    """(dtype, shape, offset, bytes) of each tensor in the body, aligned."""
+    out = []
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        out.append((str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return tuple(out)
+
+
+def chunks(tensors: list[torch.Tensor], layout: tuple[Any, ...]) -> Iterator[memoryview]:
+    """The body's bytes, tensor by tensor (with the alignment's padding), without a copy
+    of tensors already contiguous in CPU memory."""
+    written = 0
+    for tensor, (_, _, offset, nbytes) in zip(tensors, layout, strict=True):
+        if offset > written:
+            yield memoryview(bytes(offset - written))
+        with bytes_of(tensor) as view:
+            yield view
+        written = offset + nbytes
+    end = layout[-1][2] + layout[-1][3] if layout else 0
+    if end > written:
+        yield memoryview(bytes(end - written))
+
+
+@contextlib.contextmanager
+def bytes_of(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """The tensor's bytes in CPU memory, read in place where it is contiguous there."""
+    flat = tensor.detach()
+    if flat.device.type != "cpu" or not flat.is_contiguous() or flat.is_conj() or flat.is_neg():
+        flat = flat.resolve_conj().resolve_neg().to("cpu").contiguous()
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        yield memoryview(b"")
+        return
+    yield memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")
+    del flat  # kept alive until here: the view reads its memory
+
+
+def load(header: bytes, body: bytearray, state: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """Load a frame into `state`'s objects and the RNGs: (what was saved, its layout).
+    Tensors are copies: an optimizer's loaded state never shares the snapshot's memory."""
+    import torch
+
+    skeleton, layout = pickle.loads(header)  # noqa: S301 - this rank's own, or its buddy's over the job's authenticated channel
+    tensors = []
+    for dtype_name, shape, offset, nbytes in layout:
+        dtype = getattr(torch, dtype_name)
+        if nbytes == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        raw = torch.frombuffer(body, dtype=torch.uint8, count=nbytes, offset=offset)
+        tensors.append(raw.view(dtype).view(shape).clone())
+
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            return tensors[pid]
+
+    saved = _Unpickler(io.BytesIO(skeleton)).load()
+    for name, value in state.items():
+        if name in saved["state"] and callable(getattr(value, "load_state_dict", None)):
+            value.load_state_dict(saved["state"][name])
+    _set_rng(saved["rng"])
+    return saved, tuple(layout)
+
+
+def _rng() -> dict[str, Any]:
+    import torch
+
+    numpy = sys.modules.get("numpy")
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        "numpy": numpy.random.get_state() if numpy is not None else None,
+    }
+
+
+def _set_rng(states: dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    numpy = sys.modules.get("numpy")
+    if states["numpy"] is not None and numpy is not None:
+        numpy.random.set_state(states["numpy"])
+
+
