@@ -15,6 +15,9 @@ from orchestrator_workers.tail import read_tail
 
 _LEFTOVER_WAIT_S = 0.5
 """How long to wait for a dead rank's keeper process to save its unread output."""
+_READ_S = 15.0
+"""How long the task that reads them may take on a node that is alive: a busy node may
+start a worker process for it first (seconds); a lost node is given up at once."""
 
 
 def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
@@ -25,15 +28,27 @@ def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
     if info.node_id == cluster.driver_node():
         leftovers = read_tail(info.tail_path, _LEFTOVER_WAIT_S)
     else:
-        ref = rankside.task(info.node_id, read_tail, info.tail_path, _LEFTOVER_WAIT_S)
-        done, _ = ray.wait([ref], timeout=_LEFTOVER_WAIT_S + 2)
-        try:
-            leftovers = ray.get(done[0]) if done else None
-        except RayError:  # its node is gone meanwhile (unschedulable there): nothing kept
-            leftovers = None
+        leftovers = _read_on_node(info, _READ_S)
     unseen = [(s, stream, text) for s, stream, text in leftovers or [] if s == 0 or s > shown]
     last = max([shown, *(seq for seq, _, _ in unseen)])
     return [OutputChunk(seq or last + 1, stream, text.encode()) for seq, stream, text in unseen]
+
+
+def _read_on_node(info: NodeInfo, limit_s: float) -> list[tuple[int, str, str]] | None:
+    """The dead rank's saved output, read by a task on its node; None where the node is
+    gone (now or meanwhile) or the read took longer than `limit_s`."""
+    ref = rankside.task(info.node_id, read_tail, info.tail_path, _LEFTOVER_WAIT_S)
+    deadline = time.monotonic() + limit_s
+    while True:
+        done, _ = ray.wait([ref], timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        if done:
+            try:
+                return ray.get(done[0])
+            except RayError:  # its node is gone meanwhile (unschedulable there)
+                return None
+        if time.monotonic() >= deadline or cluster.node_lost(info.node_id):
+            ray.cancel(ref, force=True)
+            return None
 
 
 def failure(
