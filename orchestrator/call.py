@@ -21,7 +21,6 @@ from orchestrator.channel import POLL_S, CallOutput
 from orchestrator.connect import cluster
 from orchestrator.diagnose.monitor import Monitor
 from orchestrator.errors import (
-    CRASH,
     JobTimeoutError,
     StallError,
     StopRequested,
@@ -200,6 +199,7 @@ class Call:
                 raise ConnectionError("the Ray Client session that owned the ranks ended")
             now = time.monotonic()
             if self.gather_until is not None and now >= self.gather_until:
+                self._node_losses()
                 break
             if self.time_limit is not None and now >= self.time_limit and self.runs:
                 self._end(self.timeout or 0.0)
@@ -283,24 +283,14 @@ class Call:
             monitor=monitor,
         )
 
-    def settle(self, settle_s: float) -> set[int]:
-        """After this call failed: the ranks whose actor must be replaced before a restart,
-        once those still running had `settle_s` to return (a node's rest comes in a task
-        of its own).
-
-        Dead ones, ones still running (perhaps stuck in a collective), and ones that
-        raised an error of their own (their process may be in a bad state, e.g. CUDA's).
-        A rank that finished, or failed only because a peer did, is healthy.
-        """
-        until = time.monotonic() + settle_s
+    def let_return(self, wait_s: float) -> None:
+        """Take the outcomes of ranks still running that come within `wait_s`."""
+        until = time.monotonic() + wait_s
         while self.runs and (left := until - time.monotonic()) > 0:
             done = _ready(list(self.runs), left)
             if not done:
                 break
             self._take_all(done)
-        broken = self.running() | self.output.dead
-        broken |= {f.rank for f in self.failures if f.exc_type == CRASH or not is_secondary(f)}
-        return broken
 
     def running(self) -> set[int]:
         """Ranks whose outcomes have not come yet."""
@@ -350,7 +340,7 @@ class Call:
         """The actor that was to bring `awaited`'s outcomes is gone: its rank crashed; the
         other ranks (whose call it handed off) are asked for theirs directly."""
         gone = awaited.ranks[0] if awaited.leader is None else awaited.leader
-        if gone in awaited.ranks:
+        if gone in awaited.ranks and all(f.rank != gone for f in self.failures):
             self._take(self._crash(gone, exc))
         for rank in awaited.ranks:
             if rank != gone:
@@ -370,6 +360,14 @@ class Call:
         if outcome.next_master_port is not None:
             self.next_port = outcome.next_master_port
             self.store_open = outcome.store_open
+
+    def _node_losses(self) -> None:
+        """Where every failure so far is a peer's symptom (a closed connection), the ranks
+        not heard from on a lost node are the cause: said as such now, not once Ray's
+        health checks notice (seconds later, after the call ended)."""
+        if all(is_secondary(f) for f in self.failures):
+            for rank in crash.on_lost_nodes(self.running(), self.pool.infos):
+                self._take(self._crash(rank, RayActorError()))
 
     def _crash(self, rank: int, exc: RayActorError) -> RankFailure:
         """`rank`'s failure: its actor is gone (`exc`, Ray's word on why)."""

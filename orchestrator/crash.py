@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Collection, Sequence
 
 import ray
 from ray.exceptions import RayActorError, RayError
@@ -49,6 +50,12 @@ def _read_on_node(info: NodeInfo, limit_s: float) -> list[tuple[int, str, str]] 
         if time.monotonic() >= deadline or cluster.node_lost(info.node_id):
             ray.cancel(ref, force=True)
             return None
+
+
+def on_lost_nodes(ranks: Collection[int], infos: Sequence[NodeInfo]) -> list[int]:
+    """Those of `ranks` whose node is lost (its raylet gone: see cluster.lost_nodes)."""
+    lost = cluster.lost_nodes({infos[rank].node_id for rank in ranks}) if ranks else set()
+    return sorted(rank for rank in ranks if infos[rank].node_id in lost)
 
 
 def failure(

@@ -6,7 +6,6 @@ import os
 import pickle
 import re
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -17,24 +16,16 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import _ray_compat, placement
+from orchestrator import _ray_compat, placement, reserve
 from orchestrator.channel import RankChannel, rank_stacks
 from orchestrator.connect import cluster, local, rankside
-from orchestrator.errors import PlacementTimeoutError, StopRequested
+from orchestrator.errors import StopRequested
 from orchestrator.placement import Request
-from orchestrator.show import messages, notices, text
+from orchestrator.show import messages, notices
 from orchestrator_workers import environment, handoff
 from orchestrator_workers.environment import order_devices
 from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec, RemoteNode, unwire
 from orchestrator_workers.states import State
-
-_WAIT_NOTICE_S = 1.0
-"""A request not placed within this long is announced on the console."""
-_RECHECK_S = 2.0
-"""While waiting for placement, how often to check that the live nodes can still hold it."""
-_POLL_S = 0.2
-"""How often a wait for placement or for actors checks for a stop request."""
-
 
 ACTOR_NAMESPACE = "orchestrator"
 """Ray namespace of every rank's actor, named `actor_name(...)`, so other drivers find them."""
@@ -120,6 +111,7 @@ class Pool:
         self._closing = threading.Lock()
         self._closed = False
         self._simulated = simulate_nodes
+        self._placement_timeout = placement_timeout
         # GPU ranks load torch at once: the first call binds each to its GPU.
         self._preload_torch = preload_torch or request.gpus_per_replica > 0
         self.id = uuid.uuid4().hex[:8]
@@ -135,38 +127,19 @@ class Pool:
             self.shutdown()
             raise
 
-    def _place(self, timeout: float | None) -> None:
-        """Wait until the placement group is placed, saying what it waits for."""
-        ready = self.pg.ready()
-        started = time.monotonic()
-        announced = False
-        checked = 0.0
-        while not self._wait([ready]):
-            waited = time.monotonic() - started
-            free = text.format_resources(ray.available_resources())
-            waiting_for = f"waiting for {self.request.describe()}; free now: {{{free}}}"
-            self._on_phase(State.PENDING, waiting_for)
-            if timeout is not None and waited >= timeout:
-                raise PlacementTimeoutError(
-                    f"{self.name} could not be placed within placement_timeout={timeout:g} s: "
-                    f"it needs {self.request.describe()}, and the cluster has only "
-                    f"{{{free}}} free (other jobs hold the rest). Raise placement_timeout, "
-                    "or None to wait as long as it takes."
-                )
-            if not announced and waited >= _WAIT_NOTICE_S:
-                messages.say(waiting_for, job=self.name)
-                announced = True
-            if waited >= checked + _RECHECK_S:  # nodes leave too: waiting may become futile
-                checked = waited
-                live = [(node.ip, node.resources) for node in cluster.nodes()]
-                placement.check_feasible(self.request, live, one_node=self._simulated)
-        self._on_phase(State.STARTING, None)
+    def _place(self, timeout: float | None, lost: frozenset[str] = frozenset()) -> None:
+        """Wait until the placement group is placed (see reserve.wait)."""
+        lost_ranks = [r for r, info in enumerate(self.infos) if info.node_id in lost]
+        reserve.wait(
+            self.pg, self.request, self.name, timeout=timeout, stop=self._stop,
+            on_phase=self._on_phase, one_node=self._simulated, lost_ranks=lost_ranks, lost=lost,
+        )
 
     def _wait(self, refs: list[ray.ObjectRef]) -> bool:
         """Wait a moment for all `refs`; True when ready. Raises StopRequested if asked."""
         if self._stop.is_set():
             raise StopRequested
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=_POLL_S)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=reserve.POLL_S)
         return len(done) == len(refs)
 
     def _get(self, refs: list[ray.ObjectRef]) -> list[Any]:
@@ -248,18 +221,29 @@ class Pool:
     def replace(self, ranks: set[int], attempt: int) -> bool:
         """Replace the actors of `ranks` in place, keeping the others (warm, torch loaded).
 
-        For a restart after a failed call. False when that cannot be done (a node of
-        the pool is gone): the caller must start a whole new pool instead.
+        For a restart after a failed call. The ranks of a lost node are replaced on the
+        node Ray places its bundle on instead, waiting up to placement_timeout for one
+        (then PlacementTimeoutError). False where no rank is left to keep: the caller
+        starts a whole new pool instead.
         """
-        alive = {node.node_id for node in cluster.nodes()}
-        if any(info.node_id not in alive for info in self.infos):
+        lost = frozenset(cluster.lost_nodes({info.node_id for info in self.infos}))
+        ranks = ranks | {r for r, info in enumerate(self.infos) if info.node_id in lost}
+        if len(ranks) == len(self.actors) or (lost and self._simulated):
             return False
+        if lost:
+            self._place(self._placement_timeout, lost)
+            self._bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+            if local.broker() is None:
+                moved = {self._bundle_nodes[self._bundles[rank]] for rank in ranks}
+                rankside.check_nodes(moved, self.name)
         for rank in ranks:
             ray.kill(self.actors[rank], no_restart=True)
             self.actors[rank] = self._new_actor(rank, attempt)
             self.channels[rank] = RankChannel(self.actors[rank])  # its numbering starts anew
         for rank, info in zip(sorted(ranks), self._infos(sorted(ranks)), strict=True):
             self.infos[rank] = info
+        if lost:
+            notices.quiet_crash_notices([info.pid for info in self.infos])
         self.store_port = self._open_store()  # the failed call's store holds stale keys
         self._respec()
         return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ray.exceptions import RayActorError
 
 from orchestrator.call import Call
-from orchestrator.errors import CRASH, DistributedError, JobTimeoutError
+from orchestrator.errors import CRASH, DistributedError, JobTimeoutError, is_secondary
 from orchestrator.options import Options
 
 SETTLE_S = 5.0
@@ -39,11 +39,25 @@ def repair(call: Call, attempt: int, error: BaseException) -> bool:
     ranks in moments); none after a timeout, where they are all stuck.
     """
     if isinstance(error, JobTimeoutError):
-        broken = call.settle(0.0)
+        broken = settle(call, 0.0)
     else:
         # A rank waiting in a gloo collective on a peer that failed out would wait for
         # ever: the ranks still running shut their process group's connections first.
         for rank in call.running() - call.output.dead:
             call.pool.actors[rank].unblock.remote()  # its outcome comes as the run's
-        broken = call.settle(SETTLE_S)
+        broken = settle(call, SETTLE_S)
     return len(broken) < len(call.pool.actors) and call.pool.replace(broken, attempt)
+
+
+def settle(call: Call, settle_s: float) -> set[int]:
+    """After `call` failed: the ranks whose actor must be replaced before a restart, once
+    those still running had `settle_s` to return (a node's rest comes in a task of its own).
+
+    Dead ones, ones still running (perhaps stuck in a collective), and ones that raised an
+    error of their own (their process may be in a bad state, e.g. CUDA's). A rank that
+    finished, or failed only because a peer did, is healthy.
+    """
+    call.let_return(settle_s)
+    broken = call.running() | call.output.dead
+    broken |= {f.rank for f in call.failures if f.exc_type == CRASH or not is_secondary(f)}
+    return broken

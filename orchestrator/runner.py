@@ -8,7 +8,6 @@ replaced. When the runner is no longer referenced, a finalizer releases its pool
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import weakref
@@ -20,7 +19,7 @@ import ray
 
 from orchestrator import call, placement, restart, shipping
 from orchestrator.connect import cluster
-from orchestrator.errors import BusyError, OrchestratorError, StopRequested
+from orchestrator.errors import BusyError, OrchestratorError, PlacementTimeoutError, StopRequested
 from orchestrator.job import Job
 from orchestrator.options import Options
 from orchestrator.pool import Pool
@@ -227,8 +226,13 @@ class Runner:
                 if restart.restartable(exc, options, len(earlier)):
                     earlier.append(exc)
                     job._restarted(exc)
-                    if not self._repair(job._call, len(earlier), exc):
-                        plan = None  # a whole new pool, laid out on the nodes alive now
+                    try:
+                        if not self._repair(job._call, len(earlier), exc):
+                            plan = None  # a whole new pool, laid out on the nodes alive now
+                    except PlacementTimeoutError as late:  # a lost node's ranks: no node
+                        late.earlier_attempts = tuple(earlier)
+                        job._finish(error=late)
+                        return
                     continue
                 # Ranks may be stuck in a collective: replace the whole pool next time.
                 self.release()
@@ -242,11 +246,16 @@ class Runner:
 
     def _repair(self, failed: call.Call | None, attempt: int, error: BaseException) -> bool:
         """Replace only the failed call's broken ranks; False: the whole pool was released."""
-        with contextlib.suppress(Exception):  # anything amiss (a stop too): a whole new pool
+        try:
             if failed is not None and failed.pool is self.pool and restart.repair(
                 failed, attempt, error
             ):
                 return True
+        except PlacementTimeoutError:  # no node for a lost node's ranks: said as it is
+            self.release()
+            raise
+        except Exception:  # noqa: BLE001, S110 - anything amiss (a stop too): a whole new pool
+            pass
         self.release()
         return False
 

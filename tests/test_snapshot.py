@@ -12,14 +12,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from orchestrator import distribute, restart
+from orchestrator import PlacementTimeoutError, distribute, restart
 from orchestrator_workers import buddies, frames, snapshot
-from tests.helpers import wait_resources_back
+from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 
 STEPS, EVERY = 50, 10
 
@@ -41,9 +42,10 @@ class _Net(torch.nn.Module):
         return hidden @ self.flat[128:].view(16, 1)
 
 
-def train(kill_step: int, kill_ranks: tuple[int, ...]) -> dict[str, Any]:
+def train(kill_step: int, kill_ranks: tuple[int, ...], hold: str = "") -> dict[str, Any]:
     """DDP on data made from the step number (dropout draws from the global RNG); ranks
-    `kill_ranks` kill their own processes at `kill_step` on the first attempt."""
+    `kill_ranks` kill their own processes at `kill_step` on the first attempt (or, given a
+    `hold` file, write their node's id there and wait: the test takes the node away)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -62,6 +64,11 @@ def train(kill_step: int, kill_ranks: tuple[int, ...]) -> dict[str, Any]:
     start = 0 if restored is None else restored.data
     for step in range(start, STEPS):
         if attempt == 0 and rank in kill_ranks and step == kill_step:
+            if hold:
+                import ray
+
+                Path(hold).write_text(ray.get_runtime_context().get_node_id())
+                time.sleep(300)
             os.kill(os.getpid(), signal.SIGKILL)
         data = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(32, 8, generator=data)
@@ -74,7 +81,10 @@ def train(kill_step: int, kill_ranks: tuple[int, ...]) -> dict[str, Any]:
     weights = [p.detach().clone() for p in net.parameters()]
     dist.destroy_process_group()
     seen = None if restored is None else (restored.step, restored.data, restored.source)
-    return {"restored": seen, "weights": weights, "pid": os.getpid()}
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"restored": seen, "weights": weights, "pid": os.getpid(), "node": node}
 
 
 # --- the pure parts ---------------------------------------------------------------------
@@ -371,3 +381,94 @@ def test_a_restart_before_the_first_snapshot_has_nothing_to_restore(cluster, set
     assert "nothing to restore: no rank holds a snapshot" in capfd.readouterr().err
     wait_resources_back()
 
+
+
+def test_a_lost_node_s_ranks_resume_on_the_node_added_from_their_buddies_copies(
+    cluster, never_failed, settle, tmp_path, capfd
+):
+    """Ranks 2-3's node is lost at step 37; Ray places their bundle on the node added
+    first; they restore step 29 from ranks 0-1's copies, ranks 0-1 from their own, kept."""
+    cluster.add_node(num_cpus=CPUS_PER_NODE, num_gpus=GPUS_PER_NODE)
+    cluster.wait_for_nodes()
+    held = tmp_path / "held"
+    fn = distribute(train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snap")
+    try:
+        first = fn(-1, ())
+        job = fn.submit(37, (2,), str(held))
+        deadline = time.monotonic() + 120
+        while not held.exists() or not held.read_text():
+            assert time.monotonic() < deadline and not job.done(), "rank 2 never held"
+            time.sleep(0.05)
+        lost = held.read_text()
+        victim = next(n for n in cluster.list_all_nodes() if n.node_id == lost)
+        cluster.remove_node(victim, allow_graceful=False)
+        results = job.result(timeout=180)
+    finally:
+        fn.shutdown()
+    assert job.status().restarts == 1
+    assert "its node left the Ray cluster" in job.status().failed_attempts[0]
+    assert [r["restored"] for r in results] == [
+        (29, 30, "own"), (29, 30, "own"), (29, 30, "rank 0"), (29, 30, "rank 1")
+    ]
+    assert [r["pid"] == p["pid"] for r, p in zip(results, first, strict=True)] == [
+        True, True, False, False  # the survivors' processes kept
+    ]
+    assert {r["node"] for r in first[2:]} == {lost}
+    assert lost not in {r["node"] for r in results}
+    assert results[2]["node"] == results[3]["node"] != results[0]["node"]
+    _same(results, never_failed)
+    err = capfd.readouterr().err
+    assert (
+        "[snapshot] restored step 29 from memory: rank 2 from rank 0's copy; rank 3 from "
+        "rank 1's copy; rank(s) 0, 1 from their own" in err
+    ), err
+    wait_resources_back()  # the session's cluster: 2 nodes again, the added one in place
+
+
+def test_a_lost_node_with_no_node_to_take_its_place_fails_after_placement_timeout(
+    cluster, settle, tmp_path
+):
+    held = tmp_path / "held"
+    fn = distribute(
+        train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snapt",
+        placement_timeout=2,
+    )
+    try:
+        job = fn.submit(37, (2,), str(held))
+        deadline = time.monotonic() + 120
+        while not held.exists() or not held.read_text():
+            assert time.monotonic() < deadline and not job.done(), "rank 2 never held"
+            time.sleep(0.05)
+        victim = next(n for n in cluster.list_all_nodes() if n.node_id == held.read_text())
+        cluster.remove_node(victim, allow_graceful=False)
+        with pytest.raises(PlacementTimeoutError) as raised:
+            job.result(timeout=120)
+    finally:
+        fn.shutdown()
+        cluster.add_node(num_cpus=CPUS_PER_NODE, num_gpus=GPUS_PER_NODE)  # the session's 2
+        cluster.wait_for_nodes()
+    message = str(raised.value)
+    assert "snapt's rank(s) 2-3 lost their node" in message, message
+    assert "within placement_timeout=2 s" in message and "Add a node" in message, message
+    assert "its node left the Ray cluster" in str(raised.value.earlier_attempts[0])
+    wait_resources_back()  # the survivors, waiting in their processes, are gone too
+
+
+def test_a_detached_job_recovers_where_it_is_supervised(cluster, never_failed, capfd):
+    """The supervisor in the cluster restarts the job; the ranks restore as for a live call."""
+    with distribute(
+        train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snapd",
+        detach=True, address=cluster.address,
+    ) as fn:
+        job = fn.submit(37, (2,))
+        results = job.result(timeout=180)
+        assert job.status().restarts == 1
+        job.release()
+    assert [r["restored"] for r in results] == [
+        (29, 30, "own"), (29, 30, "own"), (29, 30, "rank 0"), (29, 30, "own")
+    ]
+    _same(results, never_failed)
+    assert "[snapshot] restored step 29 from memory: rank 2 from rank 0's copy" in (
+        capfd.readouterr().err
+    )
+    wait_resources_back(timeout=30)

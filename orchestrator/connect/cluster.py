@@ -9,7 +9,7 @@ import re
 import socket
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,25 +258,32 @@ def nodes() -> list[ClusterNode]:
 
 
 def node_lost(node_id: str, timeout: float = 1.0) -> bool:
-    """Whether Ray on a node is gone: the GCS says so, or its raylet no longer answers.
+    """Whether Ray on a node is gone (see `lost_nodes`)."""
+    return bool(lost_nodes([node_id], timeout))
+
+
+def lost_nodes(node_ids: Collection[str], timeout: float = 1.0) -> set[str]:
+    """Those of `node_ids` whose Ray is gone: the GCS says so, or their raylet no longer
+    answers.
 
     The GCS takes its health checks' time (seconds) to notice; a raylet's closed port
     says it at once (asked only from a process that is a node of the cluster).
     """
     try:
-        found = [n for n in ray.nodes() if n["NodeID"] == node_id]
+        found = {n["NodeID"]: n for n in ray.nodes() if n["NodeID"] in node_ids}
     except Exception:  # noqa: BLE001 - the GCS itself is gone, and every node with it
-        return True
-    if not found or not found[0].get("Alive"):
-        return True
+        return set(node_ids)
+    lost = {node for node in node_ids if not found.get(node, {}).get("Alive")}
     if through_ray_client():  # the nodes' ports may be out of reach: the GCS's word only
-        return False
-    address = (found[0]["NodeManagerAddress"], int(found[0]["NodeManagerPort"]))
-    try:
-        with socket.create_connection(address, timeout=timeout):
-            return False
-    except OSError:
-        return True
+        return lost
+    for node in set(node_ids) - lost:
+        address = (found[node]["NodeManagerAddress"], int(found[node]["NodeManagerPort"]))
+        try:
+            with socket.create_connection(address, timeout=timeout):
+                pass
+        except OSError:
+            lost.add(node)
+    return lost
 
 
 LOCAL_SLOTS = 64
