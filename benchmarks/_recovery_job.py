@@ -37,15 +37,14 @@ def train(  # noqa: PLR0917 - torchrun passes them as argv too
     optimizer = torch.optim.Adam([param], lr=1e-3)
     param.grad = torch.zeros_like(param)
     optimizer.step()  # the moments exist from the start: state_mb in all
+    built = time.time()
     state = {"param": param, "optimizer": optimizer}
     first, restored_step = 0, None
     if mode == "memory":
         from orchestrator import snapshot
 
-        restored = snapshot.restore(state)
+        restored = snapshot.restore(state)  # the parameter too, in place
         if restored is not None:
-            with torch.no_grad():
-                param.copy_(restored.state["param"])
             first, restored_step = restored.data, restored.step
     elif mode == "disk" and attempt > 0:
         if rank == 0:
@@ -68,7 +67,8 @@ def train(  # noqa: PLR0917 - torchrun passes them as argv too
         optimizer.step()
         if step == first and attempt > 0:
             record = {
-                "started": started, "restored": restored_at, "first_step": time.time(),
+                "started": started, "built": built, "restored": restored_at,
+                "first_step": time.time(),
                 "restored_step": restored_step, "first": first,
             }
             (folder / f"resumed-{rank}").write_text(json.dumps(record))

@@ -132,7 +132,8 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    state = {"model": model, "optimizer": optimizer, "extra": {"bf16": torch.ones(3).bfloat16()}}
+    state = {"model": model, "optimizer": optimizer, "extra": {"bf16": torch.ones(3).bfloat16()},
+             "scale": torch.tensor([2.5])}
     torch.manual_seed(7)
     header, tensors = frames.frame(12, state, data={"offset": 96})
     layout = frames.layout_of(tensors)
@@ -142,9 +143,11 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
     fresh = torch.nn.Linear(4, 3)
     fresh_optimizer = torch.optim.Adam(fresh.parameters())
     torch.manual_seed(99)
-    into = {"model": fresh, "optimizer": fresh_optimizer}
+    scale = torch.zeros(1)
+    into = {"model": fresh, "optimizer": fresh_optimizer, "scale": scale}
     restored, _ = snapshot._load(header, body, into, "own")
     assert (restored.step, restored.data) == (12, {"offset": 96})
+    assert restored.state["scale"] is scale and scale.item() == 2.5  # a tensor: in place
     assert torch.equal(restored.state["extra"]["bf16"], torch.ones(3).bfloat16())
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG as it was at the save
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
@@ -153,6 +156,9 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
     assert torch.equal(moments, optimizer.state_dict()["state"][0]["exp_avg"])
     body[:] = bytes(len(body))  # the loaded state is a copy, not a view of the snapshot
     assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], moments)
+    pairs = zip(model.parameters(), fresh.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert torch.equal(restored.state["extra"]["bf16"], torch.ones(3).bfloat16())
     assert not torch.equal(moments, torch.zeros_like(moments))
 
 
@@ -242,7 +248,8 @@ def test_a_listener_without_the_secret_learns_nothing_from_a_rank(keeper):
     assert b"SECRET-WEIGHTS" not in got and KEY not in got
 
 
-def test_a_silent_connection_does_not_hold_the_keeper(keeper):
+def test_a_silent_connection_does_not_hold_the_keeper(keeper, monkeypatch):
+    monkeypatch.setattr(buddies, "HANDSHAKE_S", 2.0)
     silent = [socket.create_connection(keeper.address) for _ in range(3)]
     try:
         started = time.monotonic()

@@ -104,29 +104,71 @@ def bytes_of(tensor: torch.Tensor) -> Iterator[memoryview]:
 
 def load(header: bytes, body: bytearray, state: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
     """Load a frame into `state`'s objects and the RNGs: (what was saved, its layout).
-    Tensors are copies: an optimizer's loaded state never shares the snapshot's memory."""
+
+    A module's state and a tensor are copied into them in place; anything else (an
+    optimizer's state, which its `load_state_dict` would share, plain values) is loaded
+    as a copy: nothing loaded or returned shares the snapshot's memory.
+    """
     import torch
 
     skeleton, layout = pickle.loads(header)  # noqa: S301 - this rank's own, or its buddy's over the job's authenticated channel
-    tensors = []
+    views = []
     for dtype_name, shape, offset, nbytes in layout:
         dtype = getattr(torch, dtype_name)
         if nbytes == 0:
-            tensors.append(torch.empty(shape, dtype=dtype))
+            views.append(torch.empty(shape, dtype=dtype))
             continue
         raw = torch.frombuffer(body, dtype=torch.uint8, count=nbytes, offset=offset)
-        tensors.append(raw.view(dtype).view(shape).clone())
+        views.append(raw.view(dtype).view(shape))
 
     class _Unpickler(pickle.Unpickler):
         def persistent_load(self, pid: Any) -> Any:
-            return tensors[pid]
+            return views[pid]
 
     saved = _Unpickler(io.BytesIO(skeleton)).load()
-    for name, value in state.items():
-        if name in saved["state"] and callable(getattr(value, "load_state_dict", None)):
-            value.load_state_dict(saved["state"][name])
+    loaded = saved["state"]
+    for name, got in loaded.items():
+        value = state.get(name)
+        if isinstance(value, torch.nn.Module):
+            value.load_state_dict(got)
+            loaded[name] = value.state_dict()
+        elif _same_kind(value, got):
+            with torch.no_grad():
+                value.copy_(got)
+            loaded[name] = value
+        else:
+            loaded[name] = _copied(got)
+            if callable(getattr(value, "load_state_dict", None)):
+                value.load_state_dict(loaded[name])
     _set_rng(saved["rng"])
     return saved, tuple(layout)
+
+
+def _same_kind(value: Any, got: Any) -> bool:
+    """Whether `got` can be copied into tensor `value` in place."""
+    import torch
+
+    return (
+        isinstance(value, torch.Tensor)
+        and isinstance(got, torch.Tensor)
+        and value.shape == got.shape
+        and value.dtype == got.dtype
+    )
+
+
+def _copied(value: Any) -> Any:
+    """`value` with every tensor in it (in dicts, lists, tuples) a copy."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_copied(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 def _rng() -> dict[str, Any]:
