@@ -128,7 +128,7 @@ def load(header: bytes, body: bytearray, state: Mapping[str, Any]) -> tuple[dict
     saved = _Unpickler(io.BytesIO(skeleton)).load()
     loaded = saved["state"]
     for name, got in loaded.items():
-        value = state.get(name)
+        value: Any = state.get(name)
         if isinstance(value, torch.nn.Module):
             value.load_state_dict(got)
             loaded[name] = value.state_dict()
