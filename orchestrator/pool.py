@@ -8,7 +8,7 @@ import re
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,8 +180,11 @@ class Pool:
         self.store_port = self._open_store()
         self._respec()
 
-    def _spares(self, runtime: Any, bundle_nodes: Mapping[int, str]) -> dict[int, tuple[Any, int]]:
-        """The local runtime's warm processes for CPU-only ranks without a runtime_env."""
+    def _spares(
+        self, runtime: Any, bundle_nodes: Mapping[int, str], ranks: Collection[int] | None = None
+    ) -> dict[int, tuple[Any, int]]:
+        """The local runtime's warm processes for CPU-only ranks without a runtime_env
+        (all of them, or `ranks`)."""
         job_env = ray.get_runtime_context().runtime_env  # a spare has none of the job's
         if self._runtime_env or job_env or set(self.request.per_replica()) - {"CPU"}:
             return {}
@@ -189,7 +192,8 @@ class Pool:
             return {}  # a spare imported torch before it knew them
         by_node: dict[str, list[int]] = {}
         for slot in self._slots:
-            by_node.setdefault(bundle_nodes[self._bundles[slot.rank]], []).append(slot.rank)
+            if ranks is None or slot.rank in ranks:
+                by_node.setdefault(bundle_nodes[self._bundles[slot.rank]], []).append(slot.rank)
         return local.spares_for(runtime, self.name, self.id, by_node)
 
     def _new_actor(self, rank: int, attempt: int = 0) -> Any:
@@ -221,29 +225,31 @@ class Pool:
     def replace(self, ranks: set[int], attempt: int) -> bool:
         """Replace the actors of `ranks` in place, keeping the others (warm, torch loaded).
 
-        For a restart after a failed call. The ranks of a lost node are replaced on the
-        node Ray places its bundle on instead, waiting up to placement_timeout for one
-        (then PlacementTimeoutError). False where no rank is left to keep: the caller
-        starts a whole new pool instead.
+        For a restart after a failed call. The local runtime's warm processes take the
+        ranks' places where ready (as at a pool's start). The ranks of a lost node are
+        replaced on the node Ray places its bundle on instead, waiting up to
+        placement_timeout for one (then PlacementTimeoutError). False where no rank is
+        left to keep: the caller starts a whole new pool instead.
         """
         lost = frozenset(cluster.lost_nodes({info.node_id for info in self.infos}))
         ranks = ranks | {r for r, info in enumerate(self.infos) if info.node_id in lost}
         if len(ranks) == len(self.actors) or (lost and self._simulated):
             return False
+        runtime = local.broker()  # its warm processes take the place of the ranks lost
         if lost:
             self._place(self._placement_timeout, lost)
             self._bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
-            if local.broker() is None:
+            if runtime is None:
                 moved = {self._bundle_nodes[self._bundles[rank]] for rank in ranks}
                 rankside.check_nodes(moved, self.name)
+        spares = self._spares(runtime, self._bundle_nodes, ranks) if runtime is not None else {}
         for rank in ranks:
             ray.kill(self.actors[rank], no_restart=True)
-            self.actors[rank] = self._new_actor(rank, attempt)
+            spare = spares.get(rank)
+            self.actors[rank] = spare[0] if spare else self._new_actor(rank, attempt)
             self.channels[rank] = RankChannel(self.actors[rank])  # its numbering starts anew
         for rank, info in zip(sorted(ranks), self._infos(sorted(ranks)), strict=True):
             self.infos[rank] = info
-        if lost:
-            notices.quiet_crash_notices([info.pid for info in self.infos])
         self.store_port = self._open_store()  # the failed call's store holds stale keys
         self._respec()
         return True

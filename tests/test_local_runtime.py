@@ -52,6 +52,19 @@ DRIVER = textwrap.dedent("""\
     print("RESULTS", json.dumps(distribute(job, num_replicas=2, replicas_per_node=1)(hold)))
 """)
 
+CRASH_ONCE = textwrap.dedent("""\
+    import json, os, signal
+    from orchestrator import distribute
+
+    def job():
+        if os.environ["RANK"] == "1" and os.environ["RESTART_COUNT"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return [os.getpid(), int(os.environ["RESTART_COUNT"])]
+
+    fn = distribute(job, num_replicas=2, replicas_per_node=1, max_restarts=1)
+    print("RESULTS", json.dumps(fn()))
+""")
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -101,11 +114,11 @@ class Runtime:
         wanted = f"{count} ready spares" + (f" and {cpus} CPUs free" if cpus else "")
         pytest.fail(f"the runtime did not get back to {wanted}: {self.status()}")
 
-    def driver(self, *args: str) -> subprocess.Popen[str]:
+    def driver(self, *args: str, script: str = DRIVER) -> subprocess.Popen[str]:
         """The driver script, in its own folder beside a module; run from self.tmp."""
         folder = self.tmp / "scripts"
         folder.mkdir(exist_ok=True)
-        (folder / "driver.py").write_text(DRIVER)
+        (folder / "driver.py").write_text(script)
         (folder / "sibling.py").write_text("WHO = 'sibling'\n")
         (self.tmp / "data.txt").write_text("data\n")
         return subprocess.Popen(
@@ -145,7 +158,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def runtime() -> Iterator[Runtime]:
-    """A local runtime with 2 spares in a private Ray temp dir; stopped at the end.
+    """A local runtime with 3 spares in a private Ray temp dir; stopped at the end.
 
     HOME is empty, as on a fresh machine: no Ray token exists until `local start` makes one.
     """
@@ -155,9 +168,9 @@ def runtime() -> Iterator[Runtime]:
     env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT), HOME=str(tmp / "home"))
     rt = Runtime(env, tmp)
     port = _free_port()
-    started = rt.cli("start", "--spares", "2", "--port", str(port), "--cpus", "8", timeout=180)
+    started = rt.cli("start", "--spares", "3", "--port", str(port), "--cpus", "8", timeout=180)
     assert started.returncode == 0, started.stdout + started.stderr
-    assert "2 warm rank processes" in started.stdout, started.stdout
+    assert "3 warm rank processes" in started.stdout, started.stdout
     token = tmp / "home" / ".ray" / "auth_token"
     assert token.exists()  # token auth stays on
     # Whoever reads the token can join this user's clusters: this user's alone.
@@ -249,6 +262,19 @@ def test_a_sibling_container_runs_nothing_in_an_idle_spare(runtime: Runtime) -> 
     results = json.loads(next(x for x in out.splitlines() if x.startswith("RESULTS"))[8:])
     assert [r[2] for r in results] == [3.0, 3.0] and {r[0] for r in results} <= spares
     assert not marker.exists()
+
+
+def test_a_rank_replaced_at_a_restart_is_a_warm_spare_too(runtime: Runtime) -> None:
+    """Rank 1 dies; rank 0, finished, is kept; rank 1's place goes to the third spare."""
+    runtime.wait_ready(3)
+    spares = _spare_pids(runtime.tmp)
+    proc = runtime.driver(script=CRASH_ONCE)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    results = json.loads(next(x for x in out.splitlines() if x.startswith("RESULTS"))[8:])
+    assert [r[1] for r in results] == [1, 1]  # both ran the second attempt
+    assert {r[0] for r in results} <= spares, (results, spares)  # the new rank 1 too
+    assert "attempt 1 failed: rank 1" in err, err
 
 
 # The tests below start runtimes of their own. They run here, while the module's runtime
@@ -376,9 +402,9 @@ def test_a_killed_script_frees_its_spares_and_cpus(runtime: Runtime) -> None:
 def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> None:
     """`orchestrator run` on the one-node runtime here: files read in place, spares used.
 
-    3 ranks, 2 spares: two ranks start in them, the third in a new process.
+    4 ranks, 3 spares: three ranks start in them, the fourth in a new process.
     """
-    runtime.wait_ready(2)
+    runtime.wait_ready(3)
     spares = _spare_pids(runtime.tmp)
     (runtime.tmp / "helper.py").write_text("WHO = 'helper beside the script'\n")
     (runtime.tmp / "script.py").write_text(
@@ -386,7 +412,7 @@ def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> Non
         "print('PID', os.getpid(), os.getcwd(), os.getpriority(os.PRIO_PROCESS, 0), WHO)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", "--nproc", "3", "script.py"],
+        [sys.executable, "-m", "orchestrator", "run", "--nproc", "4", "script.py"],
         env=runtime.env,
         cwd=runtime.tmp,
         capture_output=True,
@@ -396,9 +422,9 @@ def test_orchestrator_run_uses_spares_and_ships_nothing(runtime: Runtime) -> Non
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line.split("PID ", 1)[1] for line in proc.stdout.splitlines() if "PID " in line]
-    assert len(lines) == 3, proc.stdout
+    assert len(lines) == 4, proc.stdout
     pids = {int(line.split()[0]) for line in lines}
-    assert len(pids & spares) == 2, (pids, spares)
+    assert len(pids & spares) == 3, (pids, spares)
     for line in lines:
         assert line.split()[1] == str(runtime.tmp)  # the folder itself, not a shipped copy
         # Spares and new ranks alike run at the niceness of whoever started the runtime.
