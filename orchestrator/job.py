@@ -276,6 +276,18 @@ class Job(Future[list[R]]):
             messages.warn(line, job=self.name)
         self._set_phase(STARTING)
 
+    def _replaced(self, ranks: set[int]) -> None:
+        """Say which ranks the restart replaced, the others kept with their processes."""
+        kept = sorted(set(range(self.num_ranks)) - ranks)
+        line = (
+            f"restart {len(self._failed_attempts)}: rank(s) {rank_label(ranks)} in new "
+            f"processes; rank(s) {rank_label(kept)} kept, with their memory"
+        )
+        if self._cell is not None:
+            self._cell.write("stderr", f"[{self.name}] {line}\n")
+        else:
+            messages.say(line, job=self.name)
+
     def _finish(self, value: list[R] | None = None, error: BaseException | None = None) -> None:
         """Settle the future with the ranks' results or the error (a cancelled job stays so).
 

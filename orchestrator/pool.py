@@ -222,19 +222,20 @@ class Pool:
         [port] = self._get([self.actors[0].open_store.remote()])
         return port
 
-    def replace(self, ranks: set[int], attempt: int) -> bool:
-        """Replace the actors of `ranks` in place, keeping the others (warm, torch loaded).
+    def replace(self, ranks: set[int], attempt: int) -> set[int] | None:
+        """Replace the actors of `ranks` in place, keeping the others (warm, torch loaded):
+        the ranks replaced (with a lost node's, `ranks` and more).
 
         For a restart after a failed call. The local runtime's warm processes take the
         ranks' places where ready (as at a pool's start). The ranks of a lost node are
         replaced on the node Ray places its bundle on instead, waiting up to
-        placement_timeout for one (then PlacementTimeoutError). False where no rank is
+        placement_timeout for one (then PlacementTimeoutError). None where no rank is
         left to keep: the caller starts a whole new pool instead.
         """
         lost = frozenset(cluster.lost_nodes({info.node_id for info in self.infos}))
         ranks = ranks | {r for r, info in enumerate(self.infos) if info.node_id in lost}
         if len(ranks) == len(self.actors) or (lost and self._simulated):
-            return False
+            return None
         runtime = local.broker()  # its warm processes take the place of the ranks lost
         if lost:
             self._place(self._placement_timeout, lost)
@@ -252,7 +253,7 @@ class Pool:
             self.infos[rank] = info
         self.store_port = self._open_store()  # the failed call's store holds stale keys
         self._respec()
-        return True
+        return ranks
 
     def _respec(self) -> None:
         self.specs = _specs(

@@ -31,9 +31,9 @@ def restartable(error: BaseException, options: Options, restarts: int) -> bool:
     return options.restart_on == "any" or (root is not None and root.exc_type == CRASH)
 
 
-def repair(call: Call, attempt: int, error: BaseException) -> bool:
-    """Replace `call`'s broken ranks in its pool for attempt number `attempt`; False where
-    the whole pool must go instead.
+def repair(call: Call, attempt: int, error: BaseException) -> set[int] | None:
+    """Replace `call`'s broken ranks in its pool for attempt number `attempt`: the ranks
+    replaced; None where the whole pool must go instead.
 
     Ranks still running may first take SETTLE_S to return (a peer's death reaches gloo
     ranks in moments); none after a timeout, where they are all stuck.
@@ -46,7 +46,9 @@ def repair(call: Call, attempt: int, error: BaseException) -> bool:
         for rank in call.running() - call.output.dead:
             call.pool.actors[rank].unblock.remote()  # its outcome comes as the run's
         broken = settle(call, SETTLE_S)
-    return len(broken) < len(call.pool.actors) and call.pool.replace(broken, attempt)
+    if len(broken) == len(call.pool.actors):
+        return None
+    return call.pool.replace(broken, attempt)
 
 
 def settle(call: Call, settle_s: float) -> set[int]:

@@ -227,8 +227,11 @@ class Runner:
                     earlier.append(exc)
                     job._restarted(exc)
                     try:
-                        if not self._repair(job._call, len(earlier), exc):
+                        replaced = self._repair(job._call, len(earlier), exc)
+                        if replaced is None:
                             plan = None  # a whole new pool, laid out on the nodes alive now
+                        else:
+                            job._replaced(replaced)
                     except PlacementTimeoutError as late:  # a lost node's ranks: no node
                         late.earlier_attempts = tuple(earlier)
                         job._finish(error=late)
@@ -244,20 +247,23 @@ class Runner:
             job._finish(value)
             return
 
-    def _repair(self, failed: call.Call | None, attempt: int, error: BaseException) -> bool:
-        """Replace only the failed call's broken ranks; False: the whole pool was released."""
+    def _repair(
+        self, failed: call.Call | None, attempt: int, error: BaseException
+    ) -> set[int] | None:
+        """Replace only the failed call's broken ranks: those; None: the whole pool was
+        released."""
         try:
-            if failed is not None and failed.pool is self.pool and restart.repair(
-                failed, attempt, error
-            ):
-                return True
+            if failed is not None and failed.pool is self.pool:
+                replaced = restart.repair(failed, attempt, error)
+                if replaced is not None:
+                    return replaced
         except PlacementTimeoutError:  # no node for a lost node's ranks: said as it is
             self.release()
             raise
         except Exception:  # noqa: BLE001, S110 - anything amiss (a stop too): a whole new pool
             pass
         self.release()
-        return False
+        return None
 
     def _attempt(
         self,

@@ -42,10 +42,27 @@ class _Net(torch.nn.Module):
         return hidden @ self.flat[128:].view(16, 1)
 
 
-def train(kill_step: int, kill_ranks: tuple[int, ...], hold: str = "") -> dict[str, Any]:
+class _Batches(torch.utils.data.Dataset):
+    """Rank `rank`'s batches from step `first` on, each made from its step number."""
+
+    def __init__(self, first: int, rank: int) -> None:
+        self.first, self.rank = first, rank
+
+    def __len__(self) -> int:
+        return STEPS - self.first
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        data = torch.Generator().manual_seed((self.first + i) * 1000 + self.rank)
+        return torch.randn(32, 8, generator=data)
+
+
+def train(
+    kill_step: int, kill_ranks: tuple[int, ...], hold: str = "", workers: int = 0
+) -> dict[str, Any]:
     """DDP on data made from the step number (dropout draws from the global RNG); ranks
     `kill_ranks` kill their own processes at `kill_step` on the first attempt (or, given a
-    `hold` file, write their node's id there and wait: the test takes the node away)."""
+    `hold` file, write their node's id there and wait: the test takes the node away).
+    With `workers`, a DataLoader's worker processes (forked from the rank) make the data."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -62,6 +79,12 @@ def train(kill_step: int, kill_ranks: tuple[int, ...], hold: str = "") -> dict[s
     torch.manual_seed(100 + rank)
     restored = snapshot.restore(state)
     start = 0 if restored is None else restored.data
+    # Its own generator: an iterator made with none draws its seed from the global RNG,
+    # which the restore has just set back (a run that never failed draws it elsewhere).
+    batches = iter(torch.utils.data.DataLoader(
+        _Batches(start, rank), batch_size=None, num_workers=workers,
+        generator=torch.Generator().manual_seed(rank),
+    ))
     for step in range(start, STEPS):
         if attempt == 0 and rank in kill_ranks and step == kill_step:
             if hold:
@@ -70,8 +93,7 @@ def train(kill_step: int, kill_ranks: tuple[int, ...], hold: str = "") -> dict[s
                 Path(hold).write_text(ray.get_runtime_context().get_node_id())
                 time.sleep(300)
             os.kill(os.getpid(), signal.SIGKILL)
-        data = torch.Generator().manual_seed(step * 1000 + rank)
-        x = torch.randn(32, 8, generator=data)
+        x = next(batches)
         loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
         optimizer.zero_grad()
         loss.backward()
@@ -329,10 +351,28 @@ def test_a_killed_rank_resumes_at_the_snapshot_with_bit_identical_weights(
     ]
     _same(results, never_failed)
     err = capfd.readouterr().err
+    assert "restart 1: rank(s) 2 in new processes; rank(s) 0-1,3 kept, with their memory" in err
     assert (
         "[snapshot] restored step 29 from memory: rank 2 from rank 0's copy; "
         "rank(s) 0, 1, 3 from their own" in err
     ), err
+    wait_resources_back()
+
+
+def test_ranks_whose_data_loaders_fork_workers_snapshot_and_restore_alike(
+    cluster, never_failed, settle
+):
+    """Each rank's DataLoader forks 2 worker processes after the rank's keeper listens:
+    the children hold none of it, and the restart resumes at the snapshot as before."""
+    fn = distribute(train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snapw")
+    try:
+        results = fn(37, (2,), "", 2)
+    finally:
+        fn.shutdown()
+    assert [r["restored"] for r in results] == [
+        (29, 30, "own"), (29, 30, "own"), (29, 30, "rank 0"), (29, 30, "own")
+    ]
+    _same(results, never_failed)
     wait_resources_back()
 
 
@@ -425,6 +465,7 @@ def test_a_lost_node_s_ranks_resume_on_the_node_added_from_their_buddies_copies(
     assert results[2]["node"] == results[3]["node"] != results[0]["node"]
     _same(results, never_failed)
     err = capfd.readouterr().err
+    assert "restart 1: rank(s) 2-3 in new processes; rank(s) 0-1 kept" in err, err
     assert (
         "[snapshot] restored step 29 from memory: rank 2 from rank 0's copy; rank 3 from "
         "rank 1's copy; rank(s) 0, 1 from their own" in err

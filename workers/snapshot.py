@@ -272,12 +272,11 @@ def _agree(ranks: list[Any]) -> tuple[int | None, list[int]]:
     """The newest step every rank can restore (its own copy, or one another rank keeps
     for it), and the ranks with nothing of it; (None, those ranks) where there is none."""
     world = len(ranks)
-    steps: list[set[int]] = []
-    for rank in range(world):
-        have = {step for _, _, _, held in ranks for step in held.get(rank, ())}
-        if ranks[rank][2] is not None:
-            have.add(ranks[rank][2])
-        steps.append(have)
+    steps: list[set[int]] = [set() if own is None else {own} for _, _, own, _ in ranks]
+    for _, _, _, held in ranks:  # once over every keeper's holdings, not once per rank
+        for ward, kept in held.items():
+            if 0 <= ward < world:
+                steps[ward].update(kept)
     common = set.intersection(*steps) if steps else set()
     if common:
         return max(common), []
