@@ -206,6 +206,24 @@ def test_the_snapshot_api_outside_a_rank_says_where_it_works(monkeypatch):
         snapshot.save(0, {})
 
 
+def test_aborting_nccl_communicators_leaves_a_gloo_group_alone(tmp_path):
+    import torch.distributed as dist
+
+    from orchestrator_workers import leftovers
+
+    assert not leftovers.abort_nccl()  # no group at all
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        assert not leftovers.abort_nccl()
+        total = torch.ones(1)
+        dist.all_reduce(total)  # the group still works
+        assert dist.is_initialized() and total.item() == 1
+    finally:
+        dist.destroy_process_group()
+
+
 # --- the channel ------------------------------------------------------------------------
 
 KEY = os.urandom(32)

@@ -140,6 +140,7 @@ class RankActor:
         store = self._stores.port
         keep = (snapshot.keeper_port(),) if store is None else (snapshot.keeper_port(), store)
         leftovers.shut_accepted(keep_ports=keep)
+        leftovers.abort_nccl()
 
     @ray.method(concurrency_group="control")
     def stacks(self) -> str:

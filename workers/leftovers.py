@@ -11,6 +11,11 @@ asks the ranks still running), every connection between them is shut and every
 collective fails in moments. Never touched: Ray's listeners (those this process had
 before its first call), the snapshot keeper's and the rendezvous store's. A server the
 function itself started and left running loses its connections too.
+
+NCCL's equivalent: a rank whose NCCL collective waits on a lost peer has its
+communicators aborted (`abort_nccl`), so that its wait fails now rather than at NCCL's
+timeout. Written for GPUs; not tested here (no GPUs, and one GPU cannot hold two NCCL
+ranks).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 from collections.abc import Collection, Iterator
 
 _FDS = "/proc/self/fd"
@@ -54,6 +60,23 @@ def shut_accepted(keep_ports: Collection[int] = ()) -> int:
     finally:
         for sock in sockets:
             sock.close()  # our copy of the descriptor only
+
+
+def abort_nccl() -> bool:
+    """Abort every NCCL communicator of this process's process groups (the default one
+    NCCL's), so that a collective waiting on a lost peer fails now; True where it did.
+    Never imports torch."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    if "nccl" not in str(dist.get_backend()).lower():
+        return False
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    with contextlib.suppress(Exception):  # already destroyed meanwhile: nothing to abort
+        _abort_process_group()
+        return True
+    return False
 
 
 def _sockets() -> Iterator[socket.socket]:
