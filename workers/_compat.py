@@ -12,6 +12,7 @@ import functools
 import inspect
 import os
 import socket
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,6 +70,10 @@ def reset_group_counter() -> None:
             world.group_count = 0
 
 
+_TRACKER_WAIT_S = 10.0
+"""How long a rank waits for multiprocessing's resource tracker to leave its process group."""
+
+
 def tracker_in_own_session() -> None:
     """Have multiprocessing's resource tracker, when this rank starts one, leave the rank's
     process group, so that it outlives the rank's death and removes what the rank left.
@@ -94,9 +99,16 @@ def tracker_in_own_session() -> None:
     @functools.wraps(original)
     def spawn(path: bytes, args: Sequence[Any], passfds: Sequence[int]) -> int:
         last = args[-1] if args else None
-        if isinstance(last, str) and "resource_tracker import main" in last:
-            args = [*args[:-1], "import os; os.setsid(); " + last]
-        return original(path, args, passfds)
+        if not (isinstance(last, str) and "resource_tracker import main" in last):
+            return original(path, args, passfds)
+        pid = original(path, [*args[:-1], "import os; os.setsid(); " + last], passfds)
+        # Until its interpreter is up and has left, a kill of the rank's process group
+        # takes it too (seen on a busy machine): wait for that, a moment, once per rank.
+        deadline = time.monotonic() + _TRACKER_WAIT_S
+        with contextlib.suppress(OSError):  # gone already: nothing to wait for
+            while os.getsid(pid) == os.getsid(0) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return pid
 
     util.spawnv_passfds = spawn
 
