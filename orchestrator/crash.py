@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Collection, Sequence
@@ -48,7 +49,8 @@ def _read_on_node(info: NodeInfo, limit_s: float) -> list[tuple[int, str, str]] 
             except RayError:  # its node is gone meanwhile (unschedulable there)
                 return None
         if time.monotonic() >= deadline or cluster.node_lost(info.node_id):
-            ray.cancel(ref, force=True)
+            with contextlib.suppress(Exception):  # gone with its node, or done meanwhile
+                ray.cancel(ref, force=True)
             return None
 
 
