@@ -355,7 +355,9 @@ def test_a_killed_rank_resumes_at_the_snapshot_with_bit_identical_weights(
     try:
         first = fn(-1, ())  # a fresh call on the warm pool restores nothing
         assert {r["restored"] for r in first} == {None}
-        job = fn.submit(37, (2,))
+        # Each rank's DataLoader forks 2 workers after the rank's keeper listens: the
+        # children hold none of it.
+        job = fn.submit(37, (2,), "", 2)
         results = job.result(timeout=180)
     finally:
         fn.shutdown()
@@ -377,20 +379,26 @@ def test_a_killed_rank_resumes_at_the_snapshot_with_bit_identical_weights(
     wait_resources_back()
 
 
-def test_ranks_whose_data_loaders_fork_workers_snapshot_and_restore_alike(
-    cluster, never_failed, settle
-):
-    """Each rank's DataLoader forks 2 worker processes after the rank's keeper listens:
-    the children hold none of it, and the restart resumes at the snapshot as before."""
-    fn = distribute(train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snapw")
+def test_two_jobs_at_once_each_restore_their_own_snapshots(cluster, settle):
+    """Two 2-rank jobs of the same function run at once, each losing a rank: each restores
+    its own step from its own ranks' copies (each job has its own secret and keepers)."""
+    never = distribute(train, num_replicas=2, replicas_per_node=1, name="snapx")
     try:
-        results = fn(37, (2,), "", 2)
+        expected = [r["weights"] for r in never(-1, ())]
     finally:
-        fn.shutdown()
-    assert [r["restored"] for r in results] == [
-        (29, 30, "own"), (29, 30, "own"), (29, 30, "rank 0"), (29, 30, "own")
-    ]
-    _same(results, never_failed)
+        never.shutdown()
+    first = distribute(train, num_replicas=2, replicas_per_node=1, max_restarts=1, name="snapa")
+    second = distribute(train, num_replicas=2, replicas_per_node=1, max_restarts=1, name="snapb")
+    try:
+        jobs = [first.submit(37, (1,)), second.submit(23, (0,))]
+        results = [job.result(timeout=180) for job in jobs]
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert [r["restored"] for r in results[0]] == [(29, 30, "own"), (29, 30, "rank 0")]
+    assert [r["restored"] for r in results[1]] == [(19, 20, "rank 1"), (19, 20, "own")]
+    _same(results[0], expected)
+    _same(results[1], expected)
     wait_resources_back()
 
 
