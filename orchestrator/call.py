@@ -24,7 +24,6 @@ from orchestrator.errors import (
     JobTimeoutError,
     StallError,
     StopRequested,
-    describe_rank,
     distributed_error,
     is_secondary,
 )
@@ -381,11 +380,7 @@ class Call:
         """Raise JobTimeoutError after `after_s` (or StallError, with its `stall` report),
         with every rank's stack and place."""
         self.console.flush()
-        stacks, pool = self.pool.stacks(), self.pool
-        where = {
-            rank: describe_rank(rank, spec.local_rank, info.node_ip, info.hostname, info.pid)
-            for rank, (spec, info) in enumerate(zip(pool.specs, pool.infos, strict=True))
-        }
+        stacks, where = self.pool.stacks(), self.pool.places()
         log_dir, earlier = self.console.log_dir, self.earlier
         if stall is None:
             raise JobTimeoutError(after_s, stacks, where, log_dir=log_dir, earlier_attempts=earlier)

@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator import _ray_compat, placement, reserve
 from orchestrator.channel import RankChannel, rank_stacks
 from orchestrator.connect import cluster, local, rankside
-from orchestrator.errors import StopRequested
+from orchestrator.errors import StopRequested, describe_rank
 from orchestrator.placement import Request
 from orchestrator.show import messages, notices
 from orchestrator_workers import environment, handoff
@@ -314,6 +314,13 @@ class Pool:
     def stacks(self) -> dict[int, str]:
         """Each rank's current stacks, asked of all ranks at once; never blocks for long."""
         return rank_stacks(dict(enumerate(self.actors)))
+
+    def places(self) -> dict[int, str]:
+        """Where each rank runs, as errors say it: rank -> "rank 3 (local rank 1) on ..."."""
+        return {
+            rank: describe_rank(rank, spec.local_rank, info.node_ip, info.hostname, info.pid)
+            for rank, (spec, info) in enumerate(zip(self.specs, self.infos, strict=True))
+        }
 
     def pids(self) -> list[int]:
         """Process ids of the ranks' actors, by rank."""

@@ -46,8 +46,6 @@ def repair(call: Call, attempt: int, error: BaseException) -> set[int] | None:
         for rank in call.running() - call.output.dead:
             call.pool.actors[rank].unblock.remote()  # its outcome comes as the run's
         broken = settle(call, SETTLE_S)
-    if len(broken) == len(call.pool.actors):
-        return None
     return call.pool.replace(broken, attempt)
 
 

@@ -145,7 +145,10 @@ def save(step: int, state: Mapping[str, Any], *, data: Any = None) -> None:
             )
         except (buddies.ChannelError, OSError) as exc:
             failure = f"rank {call.rank} could not give its copy to rank {buddy}: {exc}"
-    failed = torch.tensor([1 if failure else 0])  # whether some rank's copy did not arrive
+    # Whether some rank's copy did not arrive. An all_reduce, not a gather: gloo's ring
+    # gather leaves a rank waiting for ever on a live neighbour that failed out when a rank
+    # is lost here; its all_reduce fails them all.
+    failed = torch.tensor([1 if failure else 0])
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if failed.item():  # keep the previous snapshot: it is still whole everywhere
         if failure:
