@@ -167,10 +167,12 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
     torch.manual_seed(99)
     scale = torch.zeros(1)
     into = {"model": fresh, "optimizer": fresh_optimizer, "scale": scale}
-    restored, _ = snapshot._load(header, body, into, "own")
-    assert (restored.step, restored.data) == (12, {"offset": 96})
-    assert restored.state["scale"] is scale and scale.item() == 2.5  # a tensor: in place
-    assert torch.equal(restored.state["extra"]["bf16"], torch.ones(3).bfloat16())
+    saved, _ = frames.unpack(header, body)
+    frames.set_rng(saved["rng"])
+    loaded = frames.load(saved, into)
+    assert (saved["step"], saved["data"]) == (12, {"offset": 96})
+    assert loaded["scale"] is scale and scale.item() == 2.5  # a tensor: in place
+    assert torch.equal(loaded["extra"]["bf16"], torch.ones(3).bfloat16())
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG as it was at the save
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -180,7 +182,7 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
     assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], moments)
     pairs = zip(model.parameters(), fresh.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
-    assert torch.equal(restored.state["extra"]["bf16"], torch.ones(3).bfloat16())
+    assert torch.equal(loaded["extra"]["bf16"], torch.ones(3).bfloat16())
     assert not torch.equal(moments, torch.zeros_like(moments))
 
 

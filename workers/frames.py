@@ -40,7 +40,8 @@ class _Pickler(pickle.Pickler):
             raise SnapshotError(
                 f"snapshot.save() takes dense tensors; a {type(obj).__name__} "
                 f"({obj.layout}) is in the state: for sharded state (DTensor, FSDP2) use "
-                "torch.distributed.checkpoint"
+                "dcp.save(state, storage_writer=snapshot.writer(step)) (torch.distributed"
+                ".checkpoint)"
             )
         index = self.seen.get(id(obj))
         if index is None:
@@ -102,13 +103,8 @@ def bytes_of(tensor: torch.Tensor) -> Iterator[memoryview]:
     del flat  # kept alive until here: the view reads its memory
 
 
-def load(header: bytes, body: bytearray, state: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
-    """Load a frame into `state`'s objects and the RNGs: (what was saved, its layout).
-
-    A module's state and a tensor are copied into them in place; anything else (an
-    optimizer's state, which its `load_state_dict` would share, plain values) is loaded
-    as a copy: nothing loaded or returned shares the snapshot's memory.
-    """
+def unpack(header: bytes, body: bytearray) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """What a frame saved, its tensors views of `body` (nothing copied), and its layout."""
     import torch
 
     skeleton, layout = pickle.loads(header)  # noqa: S301 - this rank's own, or its buddy's over the job's authenticated channel
@@ -125,8 +121,20 @@ def load(header: bytes, body: bytearray, state: Mapping[str, Any]) -> tuple[dict
         def persistent_load(self, pid: Any) -> Any:
             return views[pid]
 
-    saved = _Unpickler(io.BytesIO(skeleton)).load()
-    loaded = saved["state"]
+    return _Unpickler(io.BytesIO(skeleton)).load(), tuple(layout)
+
+
+def load(saved: dict[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
+    """Load what a frame saved (see unpack) into `state`'s objects, and say what was
+    loaded, by name (the RNGs: see set_rng).
+
+    A module's state and a tensor are copied into them in place; anything else (an
+    optimizer's state, which its `load_state_dict` would share, plain values) is loaded
+    as a copy: nothing loaded or returned shares the snapshot's memory.
+    """
+    import torch
+
+    loaded = dict(saved["state"])
     for name, got in loaded.items():
         value: Any = state.get(name)
         if isinstance(value, torch.nn.Module):
@@ -140,8 +148,7 @@ def load(header: bytes, body: bytearray, state: Mapping[str, Any]) -> tuple[dict
             loaded[name] = _copied(got)
             if callable(getattr(value, "load_state_dict", None)):
                 value.load_state_dict(loaded[name])
-    _set_rng(saved["rng"])
-    return saved, tuple(layout)
+    return loaded
 
 
 def _same_kind(value: Any, got: Any) -> bool:
@@ -183,7 +190,8 @@ def _rng() -> dict[str, Any]:
     }
 
 
-def _set_rng(states: dict[str, Any]) -> None:
+def set_rng(states: dict[str, Any]) -> None:
+    """Set the RNGs back to what a frame saved."""
     import torch
 
     random.setstate(states["python"])

@@ -45,6 +45,11 @@ PAUSE_VAR = "ORCHESTRATOR_SNAPSHOT_PAUSE"
 """Test hook: `STEP:RANK:FILE` makes rank RANK, on a job's first attempt, once half of its
 copy of step STEP has reached its buddy, write its pid to FILE and wait there for ever
 (to be killed in the middle of a snapshot)."""
+
+DCP_KEY = "torch.distributed.checkpoint"
+"""The one name in the state of a snapshot saved through dcp.save() (see dcp.Writer)."""
+
+
 @dataclass(frozen=True)
 class Restored:
     """What `restore` brought back: the state was loaded into the objects given."""
@@ -163,14 +168,31 @@ def restore(state: Mapping[str, Any]) -> Restored | None:
     """Load the newest snapshot every rank can restore into `state`'s objects; None on a
     fresh start, or when some rank's copies are all lost (said on rank 0: then load
     your own checkpoint). Collective: every rank calls it, after init_process_group."""
+    fetched = fetch("restore")
+    if fetched is None:
+        return None
+    saved, source = fetched
+    if DCP_KEY in saved["state"]:
+        raise SnapshotError(
+            f"the snapshot of step {saved['step']} was saved by dcp.save() with "
+            "snapshot.writer(): load it with dcp.load(state, storage_reader=snapshot.reader())"
+        )
+    return Restored(saved["step"], saved["data"], frames.load(saved, state), source)
+
+
+def fetch(what: str) -> tuple[dict[str, Any], str] | None:
+    """What the newest snapshot every rank can restore saved (see frames.unpack: its
+    tensors are views of this rank's copy, rewritten by the next save), with the RNGs
+    set back, and where it came from ("own" or "rank N"); None as for `restore`.
+    Collective: every rank calls it."""
     import torch.distributed as dist
 
     global _own  # noqa: PLW0603 - one rank per process
-    call = _current("restore")
+    call = _current(what)
     if call.restart_count == 0:
         _forget()
         return None
-    call, group = _enter_collective("restore")
+    call, group = _enter_collective(what)
     host, port = buddies.keeper.serve(call.host, call.secret)
     own_step = _own.step if _own is not None else None
     mine = (host, port, own_step, buddies.keeper.holdings())
@@ -191,13 +213,14 @@ def restore(state: Mapping[str, Any]) -> Restored | None:
         header, body = copy.header, copy.body
         source = f"rank {holder}"
     buddies.keeper.settle(step)
-    restored = _load(header, body, state, source)
-    _own = _Own(step, header, body, restored[1])
+    saved, layout = frames.unpack(header, body)
+    _own = _Own(step, header, body, layout)
     sources: list[Any] = [None] * call.world_size
     dist.all_gather_object(sources, source, group=group)
     if call.rank == 0:
         _say_restored(step, sources)
-    return restored[0]
+    frames.set_rng(saved["rng"])
+    return saved, source
 
 
 def _current(what: str) -> _Call:
@@ -248,14 +271,6 @@ def _keep_own(step: int, header: bytes, tensors: list[torch.Tensor], layout: Any
             body[offset : offset + nbytes] = view
     _own.header = header
     _own.step = step
-
-
-def _load(
-    header: bytes, body: bytearray, state: Mapping[str, Any], source: str
-) -> tuple[Restored, Any]:
-    """Load a copy into `state` (see frames.load): (what was restored, its layout)."""
-    saved, layout = frames.load(header, body, state)
-    return Restored(saved["step"], saved["data"], saved["state"], source), layout
 
 
 def _buddies(nodes: list[str]) -> list[int]:
