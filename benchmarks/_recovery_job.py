@@ -3,8 +3,9 @@ script (`python -m benchmarks._recovery_job ARGS...`).
 
 One flat parameter with Adam (params + two moments = `state_mb`), DDP-style gradient
 all_reduce on gloo each step. Every `every` steps the state is kept: in memory
-(orchestrator.snapshot, mode "memory"), with torch.save to local disk (mode "disk"), or
-not at all ("none"). On the first attempt rank `kill_rank` writes the time and SIGKILLs
+(orchestrator.snapshot, mode "memory"; through torch.distributed.checkpoint with
+snapshot.writer and snapshot.reader, mode "dcp"), with torch.save to local disk (mode
+"disk"), or not at all ("none"). On the first attempt rank `kill_rank` writes the time and SIGKILLs
 itself at step `kill_step`. On a later attempt every rank writes, as JSON: when the
 function started, when the state was restored (and from which step), and when its first
 step after that completed.
@@ -18,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def train(  # noqa: PLR0917 - torchrun passes them as argv too
@@ -46,6 +48,8 @@ def train(  # noqa: PLR0917 - torchrun passes them as argv too
         restored = snapshot.restore(state)  # the parameter too, in place
         if restored is not None:
             first, restored_step = restored.data, restored.step
+    elif mode == "dcp":
+        first, restored_step = _dcp_restore(param, optimizer)
     elif mode == "disk" and attempt > 0:
         if rank == 0:
             os.sync()
@@ -76,6 +80,13 @@ def train(  # noqa: PLR0917 - torchrun passes them as argv too
             from orchestrator import snapshot
 
             snapshot.save(step, state, data=step + 1)
+        elif (step + 1) % every == 0 and mode == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            from orchestrator import snapshot
+
+            held = {"param": param, "optimizer": optimizer.state_dict()}
+            dcp.save(held, storage_writer=snapshot.writer(step, data=step + 1))
         elif (step + 1) % every == 0 and mode == "disk":
             saved = {"param": param.detach(), "optimizer": optimizer.state_dict()}
             torch.save({**saved, "step": step, "data": step + 1}, folder / f"ckpt-{rank}.tmp")
@@ -83,6 +94,22 @@ def train(  # noqa: PLR0917 - torchrun passes them as argv too
     rate = (steps - first) / (time.perf_counter() - ran_from)
     dist.destroy_process_group()
     return {"steps_per_s": rate}
+
+
+def _dcp_restore(param: Any, optimizer: Any) -> tuple[int, int | None]:
+    """Load the snapshot through dcp.load, in place: (the first step to run, the step
+    restored or None)."""
+    import torch.distributed.checkpoint as dcp
+
+    from orchestrator import snapshot
+
+    reader = snapshot.reader()
+    if reader is None:
+        return 0, None
+    held = {"param": param, "optimizer": optimizer.state_dict()}
+    dcp.load(held, storage_reader=reader)
+    optimizer.load_state_dict(held["optimizer"])
+    return reader.data, reader.step
 
 
 def _init(attempt: int) -> None:
