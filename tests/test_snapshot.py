@@ -186,6 +186,30 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
     assert not torch.equal(moments, torch.zeros_like(moments))
 
 
+def test_an_optimizer_with_state_is_loaded_into_its_own_tensors():
+    """A survivor's optimizer already holds its moments: they are overwritten in place (no
+    second copy of the state), and share nothing with the snapshot."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    header, tensors = frames.frame(5, {"optimizer": optimizer}, None)
+    body = bytearray(b"".join(bytes(c) for c in frames.chunks(tensors, frames.layout_of(tensors))))
+    saved_moments = optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # the state moves on past the snapshot
+    live = optimizer.state[model.weight]["exp_avg"]
+    assert not torch.equal(live, saved_moments)
+
+    frames.load(frames.unpack(header, body)[0], {"optimizer": optimizer})
+    assert optimizer.state[model.weight]["exp_avg"] is live  # the same tensor, overwritten
+    assert torch.equal(live, saved_moments)
+    body[:] = bytes(len(body))
+    assert torch.equal(optimizer.state[model.weight]["exp_avg"], saved_moments)
+
+
 def test_a_sparse_tensor_is_refused_with_what_to_use():
     with pytest.raises(snapshot.SnapshotError, match=r"dense tensors.*checkpoint"):
         frames.frame(0, {"t": torch.eye(2).to_sparse()}, None)

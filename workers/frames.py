@@ -128,9 +128,11 @@ def load(saved: dict[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
     """Load what a frame saved (see unpack) into `state`'s objects, and say what was
     loaded, by name (the RNGs: see set_rng).
 
-    A module's state and a tensor are copied into them in place; anything else (an
-    optimizer's state, which its `load_state_dict` would share, plain values) is loaded
-    as a copy: nothing loaded or returned shares the snapshot's memory.
+    A module's state and a tensor are copied into them in place; so is an optimizer's
+    (any object with `state_dict` and `load_state_dict`): into the tensors its
+    `state_dict()` holds now, where they have the saved shape and dtype, else into new
+    copies, since its `load_state_dict` keeps what it is given. Plain values are loaded as
+    copies: nothing loaded or returned shares the snapshot's memory.
     """
     import torch
 
@@ -144,10 +146,13 @@ def load(saved: dict[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
             with torch.no_grad():
                 value.copy_(got)
             loaded[name] = value
+        elif callable(getattr(value, "load_state_dict", None)):
+            now = value.state_dict() if callable(getattr(value, "state_dict", None)) else None
+            with torch.no_grad():
+                loaded[name] = _copied(got, now)
+            value.load_state_dict(loaded[name])
         else:
             loaded[name] = _copied(got)
-            if callable(getattr(value, "load_state_dict", None)):
-                value.load_state_dict(loaded[name])
     return loaded
 
 
@@ -163,19 +168,25 @@ def _same_kind(value: Any, got: Any) -> bool:
     )
 
 
-def _copied(value: Any) -> Any:
-    """`value` with every tensor in it (in dicts, lists, tuples) a copy."""
+def _copied(value: Any, into: Any = None) -> Any:
+    """`value` with every tensor in it (in dicts, lists, tuples) copied: into the tensor at
+    the same place in `into` where it has the same shape and dtype, else into a new one."""
     import torch
 
     if isinstance(value, torch.Tensor):
+        if _same_kind(into, value):
+            return into.copy_(value)
         return value.clone()
     if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
+        into = into if isinstance(into, dict) else {}
+        return {k: _copied(v, into.get(k)) for k, v in value.items()}
+    if not isinstance(value, (list, tuple)):
+        return value
+    same = isinstance(into, (list, tuple)) and len(into) == len(value)
+    items = [_copied(v, into[i] if same else None) for i, v in enumerate(value)]
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_copied(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copied(v) for v in value)
-    return value
+        return type(value)(*items)
+    return type(value)(items)
 
 
 def _rng() -> dict[str, Any]:
