@@ -9,7 +9,9 @@ tests/scenarios.py. Its functions travel by value. Each scenario runs under its 
 limit; its result, or its error, goes into the report, written again after each.
 
 In `detached`, the test takes the laptop's link down once the job has started (the file
-`started` holds the job's id), past Ray Client's grace period, and brings it back.
+`started` holds the job's id), past Ray Client's grace period, and brings it back; while it
+is down, it touches `link-down` (seen by the nodes in LAPTOP_HOST_FOLDER), which makes a
+second detached job's rank kill that job's supervisor.
 """
 
 from __future__ import annotations
@@ -65,6 +67,41 @@ def stop_on_rank_1() -> int:
     return secret
 
 
+def fail_sharing(table: Any) -> int:
+    """Rank 1 plants what a rank killed before it counted itself would leave in its node's
+    /dev/shm (named after the call's copy it maps), then fails; the others wait."""
+    from orchestrator_workers import sharing
+
+    if os.environ["RANK"] != "1":
+        time.sleep(60)
+        return 0
+    maps = Path("/proc/self/maps").read_text()
+    mapped = re.search(rf"{sharing.SHM}/({sharing.PREFIX}\S+)", maps)
+    if mapped is None:
+        raise RuntimeError("no node copy of the call's buffers is mapped here")
+    planted = f"{mapped.group(1)}-lost"
+    (sharing.SHM / planted).write_bytes(b"x")
+    raise ValueError(f"rank 1 fails ({float(table.sum()):g}); planted {planted}")
+
+
+def kill_own_supervisor(folder: str) -> int:
+    """Once the laptop's link is down (`link-down` in `folder`), rank 0 kills this job's
+    supervisor; the ranks go with it."""
+    import ray
+
+    deadline = time.monotonic() + SCENARIO_S
+    while not Path(folder, "link-down").exists():
+        if time.monotonic() > deadline:
+            return -1
+        time.sleep(0.1)
+    if os.environ["RANK"] == "0":
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["name"].startswith("supervisor-doomed-"):
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+    time.sleep(SCENARIO_S)
+    return 0
+
+
 def count(lines: int) -> int:
     for i in range(lines):
         print(f"line {i}", flush=True)
@@ -99,6 +136,20 @@ def raises() -> dict[str, Any]:
 def crash() -> dict[str, Any]:
     """A rank SIGKILLed after a line: its last words, read on its node, are shown."""
     return _failure(die_on_rank_1)
+
+
+def shm() -> dict[str, Any]:
+    """A failed call's /dev/shm buffers are removed on the nodes, by a laptop that is no
+    node (the test looks at the nodes' /dev/shm)."""
+    import torch
+
+    table = torch.ones(1 << 20)  # 4 MB: shared through /dev/shm by each node's two ranks
+    with distribute(fail_sharing, num_replicas=4, replicas_per_node=2, name="shm") as fn:
+        try:
+            fn(table)
+        except Exception as exc:  # noqa: BLE001 - what it raised is the result
+            return failure_of(exc)
+    return {"type": None}
 
 
 class _Tee(io.TextIOBase):
@@ -148,7 +199,17 @@ def debugger() -> dict[str, Any]:
 def detached() -> dict[str, Any]:
     """A detached job and a live one while the link is down past Ray Client's grace period:
     the detached one is followed on, the live one fails clearly and the next live call
-    works; then the detached job is got back by other processes."""
+    works; then the detached job is got back by other processes. A third job, detached,
+    loses its supervisor meanwhile: said clearly once the link is back."""
+    doomed_fn = distribute(
+        kill_own_supervisor, num_replicas=2, replicas_per_node=1, detach=True, name="doomed"
+    )
+    doomed = doomed_fn.submit(os.environ["LAPTOP_HOST_FOLDER"])
+    deadline = time.monotonic() + SCENARIO_S / 2
+    while doomed.status().state != "running":  # its ranks wait for the link to go down
+        if time.monotonic() > deadline or doomed.done():
+            return {"error": f"the doomed job never ran: {doomed.status()}"}
+        time.sleep(0.2)
     live = distribute(count, num_replicas=2, replicas_per_node=1, name="live")
     running = live.submit(DETACHED_LINES)
     fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, name="count")
@@ -157,6 +218,13 @@ def detached() -> dict[str, Any]:
     started = time.monotonic()
     result: dict[str, Any] = {"id": job.id, "result": job.result(timeout=SCENARIO_S)}
     result["seconds_to_result"] = round(time.monotonic() - started, 2)
+    for key, get in (("doomed", lambda: doomed.result(timeout=SCENARIO_S)),
+                     ("doomed_again", lambda: get_job(doomed.id, show=False))):
+        try:
+            result[key] = {"type": None, "result": repr(get())}
+        except Exception as exc:  # noqa: BLE001 - what it raised is the result
+            result[key] = failure_of(exc)
+    doomed_fn.shutdown()
     try:
         result["live"] = {"type": None, "result": running.result(timeout=SCENARIO_S)}
     except Exception as exc:  # noqa: BLE001 - what it raised is the result
@@ -211,6 +279,7 @@ SCENARIOS: list[Callable[[], dict[str, Any]]] = [
     readme,
     raises,
     crash,
+    shm,
     debugger,
     detached,
 ]

@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 import torch
 
+from orchestrator_workers import sharing
 from tests.helpers import write
 from tests.hosts import LAPTOP, RAY_ADDRESS_FILE, REPO, Hosts, boot, laptop_kept
 
@@ -612,13 +613,15 @@ class LaptopReport(Report):
         return f"laptop's link {self.link}\n{super().show()}"
 
 
-def _cut_link(hosts: Hosts, link: dict[str, Any]) -> None:
+def _cut_link(hosts: Hosts, link: dict[str, Any], folder: Path) -> None:
     """Take the laptop's link down for LINK_DOWN_S, and close both ends of its connections
     to the head, as a sleeping laptop's are closed in the end (by keepalives, or a new
-    network's address): the cluster then counts the grace period down."""
+    network's address): the cluster then counts the grace period down. `link-down` in
+    `folder` says so to the ranks."""
     laptop, head = hosts.ips[LAPTOP], hosts.ips[0]
     link["down_at"] = time.monotonic()
     hosts.link(LAPTOP, up=False)
+    (folder / "link-down").touch()
     for host, peer in ((0, laptop), (LAPTOP, head)):
         killed = subprocess.run(
             hosts.argv(["ss", "-K", "dst", peer], host), capture_output=True, text=True,
@@ -641,7 +644,8 @@ def laptop(two_hosts: Hosts, project: Path, report: Report) -> LaptopReport:
     shutil.copy(SCENARIOS, folder / SCENARIOS.name)
     shutil.copy(project / "readme_example.py", folder / "readme_example.py")
     argv = h.laptop_argv([sys.executable, LAPTOP_DRIVER.name, "/mnt/report.json"], folder)
-    env = h.laptop_env(RAY_CLIENT_RECONNECT_GRACE_PERIOD=str(GRACE_S))
+    env = h.laptop_env(RAY_CLIENT_RECONNECT_GRACE_PERIOD=str(GRACE_S),
+                       LAPTOP_HOST_FOLDER=str(folder))
     link: dict[str, Any] = {}
     started = time.monotonic()
     with (folder / "out.log").open("w") as out, (folder / "err.log").open("w") as err:
@@ -653,7 +657,7 @@ def laptop(two_hosts: Hosts, project: Path, report: Report) -> LaptopReport:
                 time.sleep(0.1)
             if proc.poll() is None:
                 time.sleep(1)  # some lines first
-                _cut_link(h, link)
+                _cut_link(h, link, folder)
             returncode: int | None = proc.wait(max(1, deadline - time.monotonic()))
         except (subprocess.TimeoutExpired, AssertionError):
             proc.kill()
@@ -736,6 +740,31 @@ def test_a_detached_job_outlives_the_laptop_s_lost_session_and_nothing_is_lost(l
     assert found["logs_exit"] == 0, found
     assert found["again"] == ["[0, 1]"], found  # a new process on the laptop
     assert found["in_process"] == [0, 1], found
+
+
+def test_a_supervisor_lost_while_the_laptop_was_away_is_said_clearly_on_its_return(laptop):
+    """Its rank killed the supervisor while the link was down: the follower, in its new
+    session, finds it gone and says so; getting the job back says so too."""
+    found = laptop.section("detached")
+    doomed, again = found["doomed"], found["doomed_again"]
+    assert doomed["type"] == "SupervisorLostError", doomed
+    assert "its supervisor is gone" in doomed["text"], doomed
+    assert "Ray Client session was lost" in doomed["text"], doomed
+    assert again["type"] == "SupervisorLostError", again
+    assert "so the job is lost" in again["text"], again
+
+
+def test_a_failed_call_s_buffers_are_removed_from_the_nodes_dev_shm_by_the_laptop(laptop):
+    """The laptop is no node: each node's /dev/shm is cleaned by a task on that node."""
+    failed = laptop.section("shm")
+    assert failed["root_rank"] == 1 and failed["value_error"], failed
+    planted = re.search(r"planted (\S+)", failed["text"])
+    assert planted is not None, failed
+    key = planted.group(1).removesuffix("-lost")
+    left = sorted(sharing.SHM.glob(f"{key}*"))  # long after the call: no waiting
+    for path in left:
+        path.unlink()
+    assert not left, (left, failed)
 
 
 def test_a_live_call_fails_clearly_when_the_session_ends_and_the_next_call_works(laptop):

@@ -58,8 +58,8 @@ class Restored:
     data: Any
     """The `data` given to `save` (a position in the data)."""
     state: dict[str, Any] = field(repr=False)
-    """What was loaded, by name: a module's state dict, a tensor (loaded in place), or a
-    copy of what was saved (an optimizer's state dict, a plain value)."""
+    """What was loaded, by name: a module's state dict, a tensor or an optimizer's state
+    dict (loaded in place), or a copy of a plain value."""
     source: str = "own"
     """"own" (this process's copy) or "rank N" (the copy its buddy, rank N, kept)."""
 
