@@ -133,9 +133,11 @@ def _not_started(self: object, *args: object, **kwargs: object) -> None:
 
 
 def stop_auto_init() -> None:
-    """From now on, a Ray call in this process does not start a fresh Ray (its auto-init).
+    """From now on, a Ray call in this process does not start a fresh Ray or a Ray Client
+    session of its own (its auto-init): it raises, as between two sessions.
 
-    Degraded: a late call from a thread at interpreter exit may start one (and stop it).
+    Degraded: a late call from a thread at interpreter exit may start one (and stop it); a
+    call between two Ray Client sessions may start a session that races the next one.
     """
     try:
         from ray._private import auto_init_hook

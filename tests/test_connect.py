@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.connect import probe
+from orchestrator.connect import cluster, probe
 from orchestrator.errors import ClusterUnreachableError
 from tests.helpers import http2_server
 
@@ -204,3 +204,16 @@ def test_ray_s_refusal_of_another_ray_or_python_is_said_in_one_line():
         "Ray must be the same. Use ray==2.59.0 here, or start the cluster with this driver's"
     )
     assert cluster.version_mismatch("some other RuntimeError", "10.0.0.1:6379") is None
+
+
+def test_a_call_between_two_ray_client_sessions_counts_as_a_lost_session(monkeypatch):
+    """Through Ray Client, what Ray raises between the lost session and the next one sends
+    a follower to `rejoin` (which waits for the thread making it), not to an error."""
+    monkeypatch.setattr(cluster, "_joined", "ray://head:10001")
+    monkeypatch.setattr(cluster, "_broken", False)
+    for words in ("Ray Client is not connected. Please connect by calling `ray.init`.",
+                  "Ray has not been started yet. You can start Ray with 'ray.init()'."):
+        assert cluster.lost_session(Exception(words)), words
+    assert not cluster.lost_session(RuntimeError("the rank's own error"))
+    monkeypatch.setattr(cluster, "_joined", "10.0.0.1:6379")  # a node: no sessions
+    assert not cluster.lost_session(Exception("Ray Client is not connected"))

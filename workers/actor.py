@@ -38,6 +38,7 @@ from orchestrator_workers.protocol import (
     RankFailure,
     RankResult,
     RankSpec,
+    Received,
     RemoteNode,
     wire,
 )
@@ -198,7 +199,7 @@ class RankActor:
         rank that handed it the call is gone)."""
         return self._door.outcome(call_id)
 
-    def run(self, packed_spec: bytes, packed_call: bytes, payload: bytes | Payload) -> bytes:
+    def run(self, packed_spec: bytes, packed_call: bytes, payload: Received) -> bytes:
         """Run the shipped function as the rank the pickled RankSpec names, with what the
         pickled CallSpec adds; never raises.
 
@@ -209,7 +210,7 @@ class RankActor:
         return self._serve_call(packed_spec, packed_call, payload)[1]
 
     def _serve_call(
-        self, packed_spec: bytes, packed_call: bytes, payload: bytes | Payload
+        self, packed_spec: bytes, packed_call: bytes, payload: Received
     ) -> tuple[bool, bytes]:
         """`run`'s work, wherever the call came from: (whether it failed, the outcome)."""
         try:
@@ -240,9 +241,14 @@ class RankActor:
             return True, cloudpickle.dumps(self._failure(problem, time.time(), setup=False))
 
     def _run(
-        self, spec: RankSpec, packed: bytes | Payload, *, watched: bool = True, call_key: str = ""
+        self,
+        spec: RankSpec,
+        packed: Received,
+        *,
+        watched: bool = True,
+        call_key: str = "",
     ) -> RankResult | RankFailure:
-        payload: Payload = pickle.loads(packed) if isinstance(packed, bytes) else packed  # noqa: S301 - from our own driver
+        payload = Payload.received(packed)
         self._local_rank = spec.local_rank
         try:
             if spec.rank == 0:  # first, so that it listens before a peer connects

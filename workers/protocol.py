@@ -184,10 +184,27 @@ class Payload:
     readonly: tuple[bool, ...] = ()
     """For each of `buffers`, whether its object was read-only (a numpy array can be)."""
 
+    def parts(self) -> tuple[Any, ...]:
+        """Its fields as builtins, for a process that may lack this package (Ray Client's
+        server, which unpickles what a laptop puts in the object store); see `received`."""
+        return (self.call, self.sources, self.buffers, self.readonly)
+
+    @classmethod
+    def received(cls, packed: Received) -> Payload:
+        """A payload as a rank gets it: pickled (small, inline), from the object store, or
+        from there as `parts()` (put by a driver through Ray Client)."""
+        if isinstance(packed, bytes):
+            return pickle.loads(packed)  # noqa: S301 - from our own driver
+        return cls(*packed) if isinstance(packed, tuple) else packed
+
     def size(self) -> int:
         """Bytes in all: the call, its sources and its buffers."""
         sources = sum(len(line) for lines in self.sources.values() for line in lines)
         return memoryview(self.call).nbytes + sources + sum(b.raw().nbytes for b in self.buffers)
+
+
+Received = bytes | Payload | tuple[Any, ...]
+"""A call's payload as a rank's `run` gets it (see Payload.received)."""
 
 
 @dataclass(frozen=True)

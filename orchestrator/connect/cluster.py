@@ -96,6 +96,10 @@ def join(address: str, **init: Any) -> None:
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **init)
             _joined, _session, _broken = address, _session + 1, False
+            if address.startswith("ray://"):
+                # A Ray call in another thread (a second job's follower) after the session
+                # was lost must not start a session of its own, racing `_rejoin`'s.
+                _ray_compat.stop_auto_init()
             return
         except ConnectionAbortedError as exc:
             if _CLIENT_SERVER_DIED not in str(exc) or attempt == CLIENT_SERVER_TRIES:
@@ -218,8 +222,9 @@ def _rejoin() -> None:
     join(_joined)
 
 
-_NOT_CONNECTED = "Ray Client is not connected"
-"""What Ray raises (a plain Exception) for a call between two sessions."""
+_NOT_CONNECTED = ("Ray Client is not connected", "Ray has not been started yet")
+"""What Ray raises for a call between two sessions: through Ray Client's handles, and
+through Ray's own API."""
 
 
 def lost_session(exc: BaseException) -> bool:
@@ -227,7 +232,8 @@ def lost_session(exc: BaseException) -> bool:
     not made again yet (the next `connect` then makes a new one)."""
     global _broken  # noqa: PLW0603 - one Ray connection per process
     through_client = bool(_joined and _joined.startswith("ray://"))
-    lost = through_client and (isinstance(exc, ConnectionError) or _NOT_CONNECTED in str(exc))
+    between = any(words in str(exc) for words in _NOT_CONNECTED)
+    lost = through_client and (isinstance(exc, ConnectionError) or between)
     _broken = _broken or lost
     return lost
 
