@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     token = secrets.token_hex(32)
     os.environ.update(RAY_TMPDIR=str(work), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     os.environ.pop("RAY_ADDRESS", None)
+    from orchestrator import _ray_compat
+
+    _ray_compat.reload_auth_mode()  # Ray read them at import (bench_detach's imports load it)
     from ray.cluster_utils import Cluster
 
     client_port = _free_port()
