@@ -1,89 +1,22 @@
 """In-memory snapshots through torch.distributed.checkpoint (snapshot.writer and
 snapshot.reader): sharded state (FSDP2, DTensor) saved with dcp.save and loaded with
-dcp.load, each rank from its own copy or its buddy's, to the bit."""
+dcp.load, each rank from its own copy or its buddy's, to the bit; the FSDP2 loop is
+examples/fsdp_snapshot.py's."""
 
 from __future__ import annotations
 
 import os
-import signal
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.stateful import Stateful
 
+from examples.fsdp_snapshot import train
 from orchestrator import distribute, restart
 from orchestrator import snapshot as api
 from orchestrator_workers import snapshot
 from tests.helpers import wait_resources_back
-
-STEPS, EVERY = 50, 10
-
-
-class _App(Stateful):
-    """The model and optimizer as dcp's tutorials wrap them: a sharded state dict."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        """The model's and the optimizer's sharded state dicts."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optimizer}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load both back, in their sharding."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optimizer"])
-
-
-def train(kill_step: int, kill_rank: int) -> dict[str, Any]:
-    """FSDP2 over every rank on data made from the step number (dropout draws from the
-    global RNG); rank `kill_rank` kills its own process at `kill_step` on the first attempt."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from orchestrator import snapshot
-
-    rank, attempt = int(os.environ["RANK"]), int(os.environ["RESTART_COUNT"])
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
-    )
-    for layer in (model[0], model[3]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    state = {"app": _App(model, optimizer)}
-    torch.manual_seed(100 + rank)
-    reader = snapshot.reader()
-    if reader is not None:
-        dcp.load(state, storage_reader=reader)
-    start = 0 if reader is None else reader.data
-    for step in range(start, STEPS):
-        if attempt == 0 and rank == kill_rank and step == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        data = torch.Generator().manual_seed(step * 1000 + rank)
-        x = torch.randn(32, 8, generator=data)
-        loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if (step + 1) % EVERY == 0:
-            dcp.save(state, storage_writer=snapshot.writer(step, data=step + 1))
-    weights = {name: value.full_tensor() for name, value in model.state_dict().items()}
-    dist.destroy_process_group()
-    seen = None if reader is None else (reader.step, reader.data, reader.source)
-    return {"restored": seen, "weights": weights, "pid": os.getpid()}
-
 
 # --- the pure parts ---------------------------------------------------------------------
 
@@ -154,14 +87,14 @@ def test_a_killed_fsdp2_rank_resumes_from_its_buddy_s_copy_with_bit_identical_we
     monkeypatch.setattr(restart, "SETTLE_S", 30.0)  # a busy 2-core machine: see test_snapshot
     fn = distribute(train, num_replicas=2, replicas_per_node=1, max_restarts=1, name="dcps")
     try:
-        first = fn(-1, -1)  # a run that never failed, on the same warm pool
-        job = fn.submit(37, 1)
+        first = fn(50, 10)  # a run that never failed, on the same warm pool
+        job = fn.submit(50, 10, 37)  # the last rank, 1, kills itself at step 37
         results = job.result(timeout=180)
     finally:
         fn.shutdown()
     assert job.status().restarts == 1
-    assert [r["restored"] for r in first] == [None, None]
-    assert [r["restored"] for r in results] == [(29, 30, "own"), (29, 30, "rank 0")]
+    assert [r["resumed"] for r in first] == [None, None]
+    assert [r["resumed"] for r in results] == [(29, 30, "own"), (29, 30, "rank 0")]
     assert [r["pid"] == p["pid"] for r, p in zip(results, first, strict=True)] == [True, False]
     for name, want in first[0]["weights"].items():
         for rank, result in enumerate(results):
