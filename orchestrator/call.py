@@ -41,8 +41,7 @@ _GATHER_S = 0.3
 """After the first failure, how long to keep listening for the others' (for the report)."""
 _IDLE_S = 0.5
 """Otherwise, while the ranks are quiet, the driver wakes when a run ends or a rank
-prints; and at least this often, to see a stop (which also kills the ranks, and so ends
-their runs)."""
+prints, and at least this often, to see a stop (which kills the ranks: their runs end)."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +249,7 @@ class Call:
         per_rank = len(runs) > len(self.pool.nodes)
         if not runs or not (per_rank or output.printing(time.monotonic())):
             timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
-            ready = _ready(runs + draining, timeout)
+            ready = _ready(runs + draining, timeout, more_of=runs)  # output: the next pass
             return [r for r in ready if r in self.runs], [r for r in ready if r in draining]
         poll = POLL_S if per_rank else output.shown_at + POLL_S - time.monotonic()
         timeout = max(0.0, poll if wait_s is None else min(wait_s, poll))
@@ -387,10 +386,15 @@ class Call:
         raise StallError(after_s, stall, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
 
 
-def _ready(refs: list[ray.ObjectRef], wait_s: float | None) -> list[ray.ObjectRef]:
-    """Wait up to `wait_s` for one of `refs`; then take every other one ready too."""
-    done, rest = ray.wait(refs, num_returns=1, timeout=None if wait_s is None else max(0, wait_s))
+def _ready(
+    refs: list[ray.ObjectRef], wait_s: float | None, more_of: list[ray.ObjectRef] | None = None
+) -> list[ray.ObjectRef]:
+    """Wait up to `wait_s` for one of `refs`, then take the others of `more_of` (default:
+    all) ready too; no request made for nothing (through Ray Client, each is a trip)."""
+    if wait_s is not None and wait_s <= 0:
+        return ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+    done, rest = ray.wait(refs, num_returns=1, timeout=wait_s)
+    rest = rest if more_of is None else [r for r in rest if r in more_of]
     if done and rest:
-        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-        done += more
+        done += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
     return done
