@@ -241,12 +241,7 @@ class RankActor:
             return True, cloudpickle.dumps(self._failure(problem, time.time(), setup=False))
 
     def _run(
-        self,
-        spec: RankSpec,
-        packed: Received,
-        *,
-        watched: bool = True,
-        call_key: str = "",
+        self, spec: RankSpec, packed: Received, *, watched: bool = True, call_key: str = ""
     ) -> RankResult | RankFailure:
         payload = Payload.received(packed)
         self._local_rank = spec.local_rank
