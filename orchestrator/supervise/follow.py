@@ -317,7 +317,8 @@ class FollowedJob(Job[R]):
     def _unreachable(self, exc: BaseException) -> None:
         """The supervisor did not answer (the network is down; or Ray Client's session was
         lost, and a new one is tried): say so once, and wait to try again."""
-        lost = cluster.lost_session(exc)
+        # Or another thread made a new session since `_handle` was found: it is void there.
+        lost = cluster.lost_session(exc) or self._session != cluster.session()
         answered = isinstance(exc, RayTaskError)  # the supervisor raised: no network matter
         if answered or not (lost or isinstance(exc, (RayError, GetTimeoutError))):
             raise exc
@@ -358,7 +359,8 @@ class FollowedJob(Job[R]):
                 call = getattr(self._handle, method).remote(self.id, *args)
                 return ray.get(call, timeout=ASK_TIMEOUT_S)
             except Exception as exc:  # Ray Client's session lost: once more, in a new one
-                if not cluster.lost_session(exc) or not self._reconnect():
+                stale = self._session != cluster.session()  # void in the new session
+                if not (cluster.lost_session(exc) or stale) or not self._reconnect():
                     raise
                 call = getattr(self._handle, method).remote(self.id, *args)
                 return ray.get(call, timeout=ASK_TIMEOUT_S)
