@@ -51,10 +51,12 @@ SCRIPT = textwrap.dedent("""\
 
 @pytest.fixture
 def fresh_env():
-    """A private Ray temp dir, so the subprocess sees no other Ray."""
+    """A private Ray temp dir and state folder, so the subprocess sees no other Ray (not a
+    local runtime another test process started either)."""
     tmp = tempfile.mkdtemp(prefix="re", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_TMPDIR"] = tmp
+    env["XDG_STATE_HOME"] = str(Path(tmp) / "state")
     env["PYTHONPATH"] = str(ROOT)
     yield env, Path(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
