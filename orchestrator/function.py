@@ -13,7 +13,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 from typing_extensions import Unpack
 
-from orchestrator import shipping
+from orchestrator import runner, shipping
 from orchestrator.connect import cluster
 from orchestrator.job import Job, stop_all
 from orchestrator.options import DEFAULT_PREFIX, STALL_AFTER_S, CallOptions, Options
@@ -217,6 +217,8 @@ def _at_exit() -> None:
     """
     stop_following(say=True)
     stop_all(say=True)
+    runner.settle(2.0)  # the cancelled calls' threads, then their clean-ups, leave Ray
+    shipping.at_exit()
     cluster.at_exit()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -185,6 +186,11 @@ class Runner:
             job.cancel()
         self.release()
 
+    def _idle(self, wait_s: float) -> bool:
+        """Wait up to `wait_s` for no job to run; whether none does."""
+        with self._lock:
+            return self._wakeup.wait_for(lambda: self.current is None, wait_s)
+
     def _work(self) -> None:
         while True:
             with self._lock:
@@ -202,6 +208,7 @@ class Runner:
             finally:
                 with self._lock:
                     self.current = None
+                    self._wakeup.notify_all()  # for `settle`
 
     def _execute(
         self, job: Job[Any], shipped: Shipment, options: Options, plan: Plan | None
@@ -331,6 +338,14 @@ def _nowhere(stream: str, text: str) -> None:
 
 _runners: weakref.WeakSet[Runner] = weakref.WeakSet()
 """Every runner in this process, so a waiting job can reclaim idle pools."""
+
+
+def settle(wait_s: float) -> None:
+    """Wait up to `wait_s` in all for every runner's current job to end (at exit, after
+    they were cancelled: their threads leave Ray alone before it shuts down)."""
+    deadline = time.monotonic() + wait_s
+    for runner in list(_runners):
+        runner._idle(max(0.0, deadline - time.monotonic()))
 
 
 def _plan(options: Options) -> Plan:

@@ -11,6 +11,7 @@ import pickle
 import sys
 import sysconfig
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -76,21 +77,42 @@ def forget_buffers(share_key: str, nodes: list[str], pending: list[ray.ObjectRef
     A rank stopped before it mapped its node's copy of the large buffers never counts
     itself, so the copy's name would stay. In the background: the ranks still running
     (`pending`, their runs) are first given a moment to be gone (a rank killed is not
-    gone at once); then each of `nodes` (node ids) removes the call's copies.
+    gone at once; at exit, no more); then each of `nodes` (node ids) removes the call's
+    copies.
     """
 
     def forget() -> None:
-        with contextlib.suppress(Exception):  # Ray shut down meanwhile: the sweep remains
-            if pending:
-                ray.wait(pending, num_returns=len(pending), timeout=FORGET_WAIT_S)
-            here = cluster.driver_node()
-            for node in nodes:
-                if node == here:
-                    sharing.remove(share_key)
-                else:
-                    rankside.task(node, sharing.remove, share_key)
+        try:
+            with contextlib.suppress(Exception):  # Ray shut down meanwhile: the sweep remains
+                waiting, deadline = pending, time.monotonic() + FORGET_WAIT_S
+                while waiting and not _exiting.is_set() and time.monotonic() < deadline:
+                    _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=0.1)
+                here = cluster.driver_node()
+                for node in nodes:
+                    if node == here:
+                        sharing.remove(share_key)
+                    else:
+                        rankside.task(node, sharing.remove, share_key)
+        finally:
+            _forgetting.discard(thread)
 
-    threading.Thread(target=forget, name="forget buffers", daemon=True).start()
+    thread = threading.Thread(target=forget, name="forget buffers", daemon=True)
+    _forgetting.add(thread)
+    thread.start()
+
+
+_forgetting: set[threading.Thread] = set()
+"""The cleanups running now."""
+_exiting = threading.Event()
+
+
+def at_exit(wait_s: float = 2.0) -> None:
+    """Interpreter exit: let the running cleanups finish now, before Ray shuts down (a
+    thread in a Ray call then would have Ray print that its core worker is gone)."""
+    _exiting.set()
+    deadline = time.monotonic() + wait_s
+    for thread in list(_forgetting):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Payload:
