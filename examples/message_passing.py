@@ -60,6 +60,8 @@ def run(backend: str | None = None) -> float:
         else:
             dist.recv(tensor=tensor, src=0)
             print(f"worker_{world_rank} has received data from rank 0", flush=True)
+        if owns_group:  # no rank leaves while a slower one still connects to it
+            dist.barrier()
         return tensor.item()
     finally:
         if owns_group:

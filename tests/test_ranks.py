@@ -88,6 +88,11 @@ def test_rank_env_matches_torchrun():
     assert env["CUDA_VISIBLE_DEVICES"] == "4,6"
     assert env["OMP_NUM_THREADS"] == "1"
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    # No rank returns from init_process_group before every rank's group is built (a rank
+    # leaving its group at once broke a slower peer's gloo mesh); the user's env= wins.
+    assert env["TORCH_DIST_INIT_BARRIER"] == "1"
+    mine = environment.rank_env(_spec(env={"TORCH_DIST_INIT_BARRIER": "0"}))
+    assert mine["TORCH_DIST_INIT_BARRIER"] == "0"
 
 
 def test_threads_follow_torchrun_unless_the_rank_reserved_more_cpus():

@@ -22,6 +22,8 @@ READ_ON_IMPORT = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "CUDA", "
 RECORDER_VAR, NCCL_RECORDER_VAR = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"
 """torch's flight recorder: how many collectives each rank keeps (NCCL's name: older torch)."""
 RECORDER_SIZE = "2000"
+INIT_BARRIER_VAR = "TORCH_DIST_INIT_BARRIER"
+"""torch's switch for a store barrier at the end of init_process_group and new_group."""
 
 
 def user_env(env: Mapping[str, str], runtime_env: Mapping[str, Any] | None) -> dict[str, str]:
@@ -137,6 +139,12 @@ def rank_env(spec: RankSpec, error_file: str = "") -> dict[str, str]:
         # that stopped moving is in a stall's report (see probes). A ring of small
         # entries, read only then; no cost measured (benchmarks/bench_diagnose.py).
         RECORDER_VAR: os.environ.get(RECORDER_VAR, RECORDER_SIZE),
+        # init_process_group returns on no rank before every rank's group is built: a rank
+        # that returns at once (and so leaves its group) can no longer break a slower
+        # peer's gloo connectFullMesh ("Connection closed by peer": 3 calls in 250 of an
+        # init-and-return function on a loaded 2-core machine, none in 300 with it; no
+        # cost measured). torchrun leaves it off (torch's default).
+        INIT_BARRIER_VAR: os.environ.get(INIT_BARRIER_VAR, "1"),
     }
     if spec.cuda_visible_devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.cuda_visible_devices)
