@@ -261,7 +261,9 @@ class FollowedJob(Job[R]):
                 self._handle.snapshot.remote(self.id), timeout=ASK_TIMEOUT_S
             ))
         except Exception as exc:
-            if not (cluster.lost_session(exc) or isinstance(exc, (RayError, GetTimeoutError))):
+            # Or a handle void in a new session: the next read finds the supervisor again.
+            lost = self._session != cluster.session() or cluster.lost_session(exc)
+            if not (lost or isinstance(exc, (RayError, GetTimeoutError))):
                 raise
         else:
             before, self._snapshot = self._snapshot, snapshot
