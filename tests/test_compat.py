@@ -39,12 +39,17 @@ def test_log_printer_wrap_filters_lines():
 
 
 def test_lean_head_replaces_and_restores_the_head_s_extra_processes():
+    from ray._private import utils
     from ray._private.node import Node
 
     saved = {name: Node.__dict__[name] for name in compat.LEAN_HEAD}
+    asks = utils.get_dashboard_dependency_error
     with compat.lean_head():
         assert all(Node.__dict__[name] is compat._not_started for name in compat.LEAN_HEAD)
+        # The node's agent runs minimal, decided without importing the dashboard's packages.
+        assert isinstance(utils.get_dashboard_dependency_error(), ImportError)
     assert {name: Node.__dict__[name] for name in compat.LEAN_HEAD} == saved
+    assert utils.get_dashboard_dependency_error is asks
 
 
 def test_auth_reload_niceness_and_upload_helpers(tmp_path: Path, monkeypatch):
