@@ -217,3 +217,8 @@ def test_a_call_between_two_ray_client_sessions_counts_as_a_lost_session(monkeyp
     assert not cluster.lost_session(RuntimeError("the rank's own error"))
     monkeypatch.setattr(cluster, "_joined", "10.0.0.1:6379")  # a node: no sessions
     assert not cluster.lost_session(Exception("Ray Client is not connected"))
+    # A handle from before another thread's new session: void, found again by name (not a
+    # lost session, which would make yet another one).
+    void = Exception("Can't run an actor the server doesn't have a handle for")
+    assert cluster.void_handle(void) and not cluster.lost_session(void)
+    assert not cluster.void_handle(RuntimeError("the rank's own error"))

@@ -227,6 +227,16 @@ _NOT_CONNECTED = ("Ray Client is not connected", "Ray has not been started yet")
 through Ray's own API."""
 
 
+_VOID_HANDLE = "doesn't have a handle for"
+"""What Ray Client's server says of a handle from an earlier session: one another thread's
+new session made void, used before this process's session count moved on."""
+
+
+def void_handle(exc: BaseException) -> bool:
+    """Whether `exc` says a Ray Client handle is from an earlier session (find it again)."""
+    return _VOID_HANDLE in str(exc)
+
+
 def lost_session(exc: BaseException) -> bool:
     """Whether `exc`, raised by a Ray call, says Ray Client's session is gone for good, or
     not made again yet (the next `connect` then makes a new one)."""

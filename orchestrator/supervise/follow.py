@@ -262,7 +262,7 @@ class FollowedJob(Job[R]):
             ))
         except Exception as exc:
             # Or a handle void in a new session: the next read finds the supervisor again.
-            lost = self._session != cluster.session() or cluster.lost_session(exc)
+            lost = self._void(exc) or cluster.lost_session(exc)
             if not (lost or isinstance(exc, (RayError, GetTimeoutError))):
                 raise
         else:
@@ -319,8 +319,7 @@ class FollowedJob(Job[R]):
     def _unreachable(self, exc: BaseException) -> None:
         """The supervisor did not answer (the network is down; or Ray Client's session was
         lost, and a new one is tried): say so once, and wait to try again."""
-        # Or another thread made a new session since `_handle` was found: it is void there.
-        lost = cluster.lost_session(exc) or self._session != cluster.session()
+        lost = cluster.lost_session(exc) or self._void(exc)
         answered = isinstance(exc, RayTaskError)  # the supervisor raised: no network matter
         if answered or not (lost or isinstance(exc, (RayError, GetTimeoutError))):
             raise exc
@@ -335,6 +334,11 @@ class FollowedJob(Job[R]):
             messages.say(f"{why} every {RETRY_S:g} s (the job runs on)", job=self.name)
         if not (lost and self._reconnect()):
             time.sleep(RETRY_S)
+
+    def _void(self, exc: BaseException) -> bool:
+        """Whether `_handle` is void: another thread made a new session since it was found
+        (Ray Client's server may say so before this process's session count moves on)."""
+        return self._session != cluster.session() or cluster.void_handle(exc)
 
     def _reconnect(self) -> bool:
         """After Ray Client's session was lost: a new one (see `cluster.rejoin`), and the
@@ -361,8 +365,7 @@ class FollowedJob(Job[R]):
                 call = getattr(self._handle, method).remote(self.id, *args)
                 return ray.get(call, timeout=ASK_TIMEOUT_S)
             except Exception as exc:  # Ray Client's session lost: once more, in a new one
-                stale = self._session != cluster.session()  # void in the new session
-                if not (cluster.lost_session(exc) or stale) or not self._reconnect():
+                if not (cluster.lost_session(exc) or self._void(exc)) or not self._reconnect():
                     raise
                 call = getattr(self._handle, method).remote(self.id, *args)
                 return ray.get(call, timeout=ASK_TIMEOUT_S)
