@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -63,6 +64,19 @@ def test_local_modules_ship_by_value_installed_ones_by_reference():
     assert not shipping.is_local(os)
     assert not shipping.is_local(pytest)
     assert not shipping.is_local(orchestrator)
+
+
+def test_a_module_file_is_judged_where_its_links_lead(tmp_path):
+    """A link to an installed file is installed; a file in a folder reached through a link
+    to the installed packages' folder is too; a plain local file is local."""
+    installed = Path(pytest.__file__)
+    (tmp_path / "mine.py").write_text("")
+    (tmp_path / "linked.py").symlink_to(installed)
+    (tmp_path / "site").symlink_to(installed.parent, target_is_directory=True)
+    assert shipping._local_file(str(tmp_path / "mine.py"))
+    assert not shipping._local_file(str(tmp_path / "linked.py"))
+    assert not shipping._local_file(str(tmp_path / "site" / installed.name))
+    assert shipping._local_file(str(tmp_path / "not-there.py"))  # as Path.resolve says
 
 
 def _ship_and_load(value: object, readers: int, key: str) -> list[object]:
