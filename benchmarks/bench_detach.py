@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(work, ignore_errors=True)  # Ray's files and the jobs' logs
     print(f"\nDetached jobs: {args.repeats} paired warm calls per size; one Ray round trip "
           f"here {trip * 1000:.2f} ms (median)")
     print(f"  {'warm no-op call':<34}{'live':>10}{'detached':>10}{'extra':>10}{'ratio':>8}  goal")
