@@ -206,6 +206,21 @@ def test_ray_s_refusal_of_another_ray_or_python_is_said_in_one_line():
     assert cluster.version_mismatch("some other RuntimeError", "10.0.0.1:6379") is None
 
 
+def test_a_client_server_that_died_at_birth_is_asked_for_again():
+    """Ray's proxier reports its session server's death in its own words, or (a race of its
+    own) as the traceback of psutil's ZombieProcess from its check of that process."""
+    said = "Initialization failure from server:\nTraceback (most recent call last):\n"
+    own = ConnectionAbortedError(said + "RuntimeError: Starting Ray client server failed.")
+    zombie = ConnectionAbortedError(
+        said + '  File "proxier.py", line 396, in start_specific_server\n'
+        "    cmd = psutil_proc.cmdline()\npsutil.ZombieProcess: PID still exists but it's a "
+        "zombie (pid=16794)\n"
+    )
+    assert cluster.server_died(own) and cluster.server_died(zombie)
+    assert not cluster.server_died(ConnectionAbortedError(said + "PermissionError: token"))
+    assert not cluster.server_died(RuntimeError("Starting Ray client server failed"))
+
+
 def test_a_call_between_two_ray_client_sessions_counts_as_a_lost_session(monkeypatch):
     """Through Ray Client, what Ray raises between the lost session and the next one sends
     a follower to `rejoin` (which waits for the thread making it), not to an error."""

@@ -80,7 +80,16 @@ def connect(address: str | None, *, min_cpus: float = 0, standalone: bool = Fals
 
 CLIENT_SERVER_TRIES = 3
 """Ray Client sessions asked for before giving up on a head whose per-session server dies."""
-_CLIENT_SERVER_DIED = "Starting Ray client server failed"
+_CLIENT_SERVER_DIED = ("Starting Ray client server failed", "in start_specific_server")
+"""What the head says when the session's server died at birth: its own words, or the
+traceback of its check of the dying process (psutil's ZombieProcess, a race in Ray's own)."""
+
+
+def server_died(exc: BaseException) -> bool:
+    """Whether a Ray Client connect failed because the head's server for it died at birth."""
+    return isinstance(exc, ConnectionAbortedError) and any(
+        words in str(exc) for words in _CLIENT_SERVER_DIED
+    )
 
 
 def join(address: str, **init: Any) -> None:
@@ -102,7 +111,7 @@ def join(address: str, **init: Any) -> None:
                 _ray_compat.stop_auto_init()
             return
         except ConnectionAbortedError as exc:
-            if _CLIENT_SERVER_DIED not in str(exc) or attempt == CLIENT_SERVER_TRIES:
+            if not server_died(exc) or attempt == CLIENT_SERVER_TRIES:
                 raise
             messages.say(
                 f"the Ray Client server at {address} failed to start this session (Ray's "
