@@ -95,23 +95,18 @@ def wrap_log_printer(keep: Callable[[dict[str, Any]], dict[str, Any] | None]) ->
 
 
 LEAN_HEAD = ("start_api_server", "start_monitor", "start_log_monitor")
-"""Ray head processes the embedded instance does without (Ray has no switch for them).
-
-The API server (state and job APIs; Ray waits about 1 s for it even without the
-dashboard), the autoscaler monitor (nothing to scale on one machine) and the log
-monitor (unused with log_to_driver=False). Together they take ~1.8 s of CPU at start
-and make up most of Ray's sequential shutdown; `ray start` keeps them all. Its node agent
-runs minimal: Ray decides so by importing the dashboard's dependencies in the driver
-before it starts the raylet (0.1-0.3 s of a cold start), for the dashboard it has none of.
-"""
+"""Ray head processes the embedded instance does without (Ray has no switch for them): the
+API server (Ray waits ~1 s for it even without the dashboard), the autoscaler monitor and the
+log monitor (log_to_driver=False). ~1.8 s of CPU at start, and most of Ray's shutdown. The
+node agent runs minimal: Ray decides so by importing the dashboard's dependencies first
+(0.1-0.3 s of a cold start), for a dashboard the embedded instance has none of."""
 
 
 @contextlib.contextmanager
 def lean_head() -> Iterator[None]:
     """While inside, a Ray head started in this process skips the `LEAN_HEAD` processes.
 
-    Degraded: they start, as with `ray start` (about 1.8 s more CPU at start, a slower
-    shutdown).
+    Degraded: they start, as with `ray start` (~1.8 s more CPU at start, a slower shutdown).
     """
     try:
         from ray._private import utils

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.connect import cluster, probe
+from orchestrator.connect import cluster, probe, refusals
 from orchestrator.errors import ClusterUnreachableError
 from tests.helpers import http2_server
 
@@ -179,13 +179,11 @@ def test_ray_s_refusal_of_another_ray_or_python_is_said_in_one_line():
     """Ray's own refusal (its check, given a cluster of another Ray and Python), wrapped."""
     from ray._private.utils import check_version_info
 
-    from orchestrator.connect import cluster
-
     with pytest.raises(RuntimeError) as refused:
         check_version_info(
             {"ray_version": "2.59.0", "python_version": "3.10.14"}, "node 10.0.0.9"
         )
-    error = cluster.version_mismatch(str(refused.value), "10.0.0.1:6379")
+    error = refusals.version_mismatch(str(refused.value), "10.0.0.1:6379")
     assert error is not None
     here = ".".join(map(str, sys.version_info[:3]))
     import ray
@@ -199,11 +197,11 @@ def test_ray_s_refusal_of_another_ray_or_python_is_said_in_one_line():
     assert "\n" not in str(error)
     with pytest.raises(RuntimeError) as refused:
         check_version_info({"ray_version": "2.59.0", "python_version": here}, "node 10.0.0.9")
-    error = cluster.version_mismatch(str(refused.value), "10.0.0.1:6379")
+    error = refusals.version_mismatch(str(refused.value), "10.0.0.1:6379")
     assert str(error).endswith(
         "Ray must be the same. Use ray==2.59.0 here, or start the cluster with this driver's"
     )
-    assert cluster.version_mismatch("some other RuntimeError", "10.0.0.1:6379") is None
+    assert refusals.version_mismatch("some other RuntimeError", "10.0.0.1:6379") is None
 
 
 def test_a_client_server_that_died_at_birth_is_asked_for_again():
@@ -216,9 +214,9 @@ def test_a_client_server_that_died_at_birth_is_asked_for_again():
         "    cmd = psutil_proc.cmdline()\npsutil.ZombieProcess: PID still exists but it's a "
         "zombie (pid=16794)\n"
     )
-    assert cluster.server_died(own) and cluster.server_died(zombie)
-    assert not cluster.server_died(ConnectionAbortedError(said + "PermissionError: token"))
-    assert not cluster.server_died(RuntimeError("Starting Ray client server failed"))
+    assert refusals.server_died(own) and refusals.server_died(zombie)
+    assert not refusals.server_died(ConnectionAbortedError(said + "PermissionError: token"))
+    assert not refusals.server_died(RuntimeError("Starting Ray client server failed"))
 
 
 def test_a_call_between_two_ray_client_sessions_counts_as_a_lost_session(monkeypatch):

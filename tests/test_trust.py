@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import distribute, testing
-from orchestrator.connect import cluster, discovery
+from orchestrator.connect import discovery, ray_files
 from orchestrator.errors import ConfigError
 from orchestrator.show import logs
 from orchestrator.show.logs import Console
@@ -201,14 +201,14 @@ def test_our_heads_never_use_a_ray_temp_folder_others_can_enter(
     """Ray makes its folders 0777: in RAY_TMPDIR/ray, which another user can reach, they
     could swap its address file for a link that Ray then writes through."""
     monkeypatch.setenv("RAY_TMPDIR", str(open_dir))
-    made = cluster.head_temp_dir(lasting=True, name="ray-test")
+    made = ray_files.head_temp_dir(lasting=True, name="ray-test")
     # This test's temp dir is long: the short private folder then (see test_embedded).
     private_folders = (private.folder(lasting=True), private.folder(short=True))
     assert made is not None and Path(made).parent in private_folders, made
     Path(made).rmdir()
     assert "not putting Ray's files in RAY_TMPDIR" in capsys.readouterr().err
     open_dir.chmod(0o700)  # closed to others (as pytest's and mkdtemp's folders)
-    assert cluster.head_temp_dir(lasting=True, name="ray-test") is None  # Ray's, there
+    assert ray_files.head_temp_dir(lasting=True, name="ray-test") is None  # Ray's, there
 
 
 @as_root

@@ -5,22 +5,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
-import tempfile
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from orchestrator import _ray_compat
-from orchestrator.connect import discovery, probe, tokens
-from orchestrator.errors import ClusterMismatchError, ClusterUnreachableError, ConfigError
+from orchestrator.connect import discovery, probe, ray_files, refusals, tokens
+from orchestrator.errors import ClusterUnreachableError, ConfigError
 from orchestrator.show import messages, notices
-from orchestrator_workers import private
 
 _lock = threading.Lock()
 _embedded = False
@@ -80,16 +76,6 @@ def connect(address: str | None, *, min_cpus: float = 0, standalone: bool = Fals
 
 CLIENT_SERVER_TRIES = 3
 """Ray Client sessions asked for before giving up on a head whose per-session server dies."""
-_CLIENT_SERVER_DIED = ("Starting Ray client server failed", "in start_specific_server")
-"""What the head says when the session's server died at birth: its own words, or the
-traceback of its check of the dying process (psutil's ZombieProcess, a race in Ray's own)."""
-
-
-def server_died(exc: BaseException) -> bool:
-    """Whether a Ray Client connect failed because the head's server for it died at birth."""
-    return isinstance(exc, ConnectionAbortedError) and any(
-        words in str(exc) for words in _CLIENT_SERVER_DIED
-    )
 
 
 def join(address: str, **init: Any) -> None:
@@ -111,7 +97,7 @@ def join(address: str, **init: Any) -> None:
                 _ray_compat.stop_auto_init()
             return
         except ConnectionAbortedError as exc:
-            if not server_died(exc) or attempt == CLIENT_SERVER_TRIES:
+            if not refusals.server_died(exc) or attempt == CLIENT_SERVER_TRIES:
                 raise
             messages.say(
                 f"the Ray Client server at {address} failed to start this session (Ray's "
@@ -121,34 +107,10 @@ def join(address: str, **init: Any) -> None:
             with contextlib.suppress(Exception):
                 ray.shutdown()
         except RuntimeError as exc:
-            mismatch = version_mismatch(str(exc), address)
+            mismatch = refusals.version_mismatch(str(exc), address)
             if mismatch is None:
                 raise
             raise mismatch from None
-
-
-_VERSIONS = re.compile(r"Ray: (\S+)\s+Python: (\S+)")
-
-
-def version_mismatch(refusal: str, address: str) -> ClusterMismatchError | None:
-    """Ray's refusal of a driver whose Ray or Python differs from the cluster's, said in one
-    line with what to install; None for any other error."""
-    found = _VERSIONS.findall(refusal)
-    if not refusal.startswith("Version mismatch") or len(found) != 2:
-        return None
-    (ray_there, py_there), (ray_here, py_here) = found
-    differ, fix = [], []
-    if py_there != py_here:
-        differ.append("Python")
-        fix.append(f"a venv made with Python {py_there}")
-    if ray_there != ray_here:
-        differ.append("Ray")
-        fix.append(f"ray=={ray_there}" + (" in it" if fix else ""))
-    return ClusterMismatchError(
-        f"the Ray cluster at {address} runs Ray {ray_there} on Python {py_there}, this driver "
-        f"Ray {ray_here} on Python {py_here}: {' and '.join(differ)} must be the same. Use "
-        f"{' with '.join(fix)} here, or start the cluster with this driver's"
-    )
 
 
 def is_local_runtime() -> bool:
@@ -328,7 +290,7 @@ def _start_local(min_cpus: float) -> None:
         with _ray_compat.lean_head():
             ray.init(
                 address="local",
-                _temp_dir=head_temp_dir(lasting=False),
+                _temp_dir=ray_files.head_temp_dir(lasting=False),
                 num_cpus=cpus,
                 include_dashboard=False,
                 logging_level=ray_level,
@@ -361,48 +323,3 @@ def at_exit() -> None:
 def is_embedded() -> bool:
     """Whether this process runs the embedded local instance."""
     return _embedded
-
-
-SOCKET_PATH_ROOM = 107 - len("/session_2026-12-01_15-45-14_123456_4194304/sockets/plasma_store")
-"""How long Ray's temp folder may be: its sockets' paths must fit in 107 bytes."""
-
-
-def head_temp_dir(*, lasting: bool, name: str = "ray") -> str | None:
-    """Ray's temp folder for a head this product starts; None: Ray's own ($RAY_TMPDIR/ray).
-
-    Ray makes its folders open to every user (0777, not sticky): in its default, /tmp/ray,
-    another user could swap its address file for a link, or read and plant session files.
-    A RAY_TMPDIR that no other user can enter is kept; otherwise the head's files go in
-    this user's private folder, as `name` (`lasting`: one that outlives the login session).
-    """
-    chosen = os.environ.get("RAY_TMPDIR")
-    if chosen:
-        why = private.unsafe(Path(chosen), closed=True)
-        if why is None:
-            return None
-        messages.say(
-            f"not putting Ray's files in RAY_TMPDIR={chosen}, as {why} and Ray makes its "
-            "folders writable by all; using a private folder (make RAY_TMPDIR 0700 to keep it)"
-        )
-    try:
-        folder = private.folder(lasting=lasting)
-        if len(str(folder / name)) > SOCKET_PATH_ROOM:
-            folder = private.folder(lasting=True)  # a long XDG_RUNTIME_DIR: the temp dir
-        if len(str(folder / name)) > SOCKET_PATH_ROOM:  # a long TMPDIR (a Slurm job's): /tmp
-            long = folder
-            folder = private.folder(short=True)
-            messages.say(
-                f"Ray's files go in {folder / name}, not {long / name}: Ray's socket paths "
-                f"must fit in 107 bytes, which leaves {SOCKET_PATH_ROOM} characters for its "
-                "folder (set TMPDIR or RAY_TMPDIR to a shorter folder of your own to choose)"
-            )
-    except private.UnsafeFolderError as exc:
-        short = len(tempfile.gettempdir()) + 25 <= SOCKET_PATH_ROOM
-        # 0700, a name nobody can guess
-        made = tempfile.mkdtemp(prefix="orchestrator-ray-", dir=None if short else "/tmp")  # noqa: S108
-        messages.say(f"{exc}. Ray's files go in {made} instead")
-        return made
-    path = folder / name
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    return str(path)

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from orchestrator import _ray_compat
-from orchestrator.connect import cluster, discovery, tokens
+from orchestrator.connect import cluster, discovery, ray_files, tokens
 from orchestrator.errors import ConfigError, LocalRuntimeError
 from orchestrator.show import messages
 from orchestrator_workers import private
@@ -265,7 +265,7 @@ def _runtime_temp_dir(port: int) -> str:
 
     One per port: Ray's address file in it names this runtime alone.
     """
-    made = _private(lambda: cluster.head_temp_dir(lasting=True, name=f"ray-{port}"))
+    made = _private(lambda: ray_files.head_temp_dir(lasting=True, name=f"ray-{port}"))
     return made or str(discovery.ray_root())
 
 

@@ -1,11 +1,9 @@
-"""Following a detached job from this process: `FollowedJob`, a `Job` answered by its
-supervisor.
+"""Following a detached job from this process: `FollowedJob`, a `Job` its supervisor answers.
 
-Its state, table, logs, stacks and outcome come from the supervisor (`supervise.supervisor`);
-a thread reads the ranks' output from the supervisor's journal and shows it on this
-process's console, folded as a live call's, and says what the supervisor said to no one (what
-a pending job waits for, restarts, stalls). Exit, Ctrl-C and a notebook's stop button stop
-following, not the job; `cancel()` stops it.
+State, table, logs, stacks and outcome come from the supervisor; a thread shows the ranks'
+output from its journal on this console, folded as a live call's, and what the supervisor
+said to no one (what a pending job waits for, restarts, stalls). Exit, Ctrl-C and a
+notebook's stop button stop following, not the job; `cancel()` stops it.
 """
 
 from __future__ import annotations
@@ -145,8 +143,7 @@ class FollowedJob(Job[R]):
         registry.forget(self.id)
 
     def unfollow(self, say: bool = False) -> None:
-        """Stop following (and showing) the job here; it runs on. `say`: print how to get
-        it back."""
+        """Stop following (and showing) the job here; it runs on. `say`: say how to get back."""
         if self._unfollowed.is_set():
             return
         self._unfollowed.set()
@@ -336,8 +333,7 @@ class FollowedJob(Job[R]):
             time.sleep(RETRY_S)
 
     def _void(self, exc: BaseException) -> bool:
-        """Whether `_handle` is void: another thread made a new session since it was found
-        (Ray Client's server may say so before this process's session count moves on)."""
+        """Whether `_handle` is void: another thread made a new session (Ray Client says first)."""
         return self._session != cluster.session() or cluster.void_handle(exc)
 
     def _reconnect(self) -> bool:
