@@ -21,7 +21,7 @@ from orchestrator.runner import Runner
 from orchestrator.show import notebook
 from orchestrator.show.logs import read_log
 from orchestrator.supervise.detached import Detached
-from orchestrator.supervise.follow import FollowedJob, stop_following
+from orchestrator.supervise.follow import READ_WAIT_S, FollowedJob, stop_following
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -53,7 +53,7 @@ class DistributedFunction(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run `fn(*args, **kwargs)` on every rank; return each rank's result, by rank."""
-        job = self._submit(args, kwargs)  # output goes where the caller's prints go
+        job = self._submit(args, kwargs, waits=True)  # output goes where the caller's prints go
         try:
             return job.result()
         except KeyboardInterrupt:
@@ -79,11 +79,19 @@ class DistributedFunction(Generic[P, R]):
         return self._submit(args, kwargs, show_in_cell=notebook.in_kernel())
 
     def _submit(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, show_in_cell: bool = False
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        show_in_cell: bool = False,
+        waits: bool = False,
     ) -> Job[R]:
+        """Submit the call; `waits`: the caller waits for its result at once."""
         # The pool lives while a job of it is not done: the job keeps this function alive.
+        detached = isinstance(self._runner, Detached)  # its first read goes with the submit
+        more = {"first_wait_s": READ_WAIT_S} if waits and detached else {}
         job: Job[R] = self._runner.submit(
-            self.fn, args, kwargs, self.options, owner=self, in_cell=show_in_cell
+            self.fn, args, kwargs, self.options, owner=self, in_cell=show_in_cell, **more
         )
         if job._cell is not None:
             job._cell.tick_while(lambda: not job.done())  # the elapsed times move on

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent.futures import CancelledError
 
@@ -20,6 +21,7 @@ from nbclient import NotebookClient
 from orchestrator import (
     ConfigError,
     DistributedError,
+    PlacementError,
     SupervisorLostError,
     distribute,
     get_job,
@@ -166,6 +168,63 @@ def test_a_rank_s_error_is_raised_with_its_root_cause_as_a_live_call_s(cluster):
         assert "rank 1 has a bad batch" in job.table().cause  # the table, from the supervisor
         job.release()
     wait_resources_back(timeout=30)
+
+
+def test_a_short_blocking_call_comes_back_with_its_submit(cluster, capfd, monkeypatch):
+    """A blocking call that ends within the supervisor's first wait comes back whole in its
+    submit's answer: one Ray call, no thread started to follow it."""
+    with distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
+                    address=cluster.address, fold_output=False) as fn:
+        capfd.readouterr()
+        assert fn(3, 0.0) == [0, 10]  # starts the ranks: longer than the first wait
+        out, err = capfd.readouterr()
+        assert f"detached job {fn._runner.last.id}" in err, err
+        for rank in (0, 1):
+            assert _lines(out, rank) == [f"rank {rank} line {i}" for i in range(3)], out
+        fn._runner.last.release()
+        started: list[str] = []
+        start = threading.Thread.start
+
+        def recorded(thread: threading.Thread) -> None:
+            started.append(thread.name)
+            start(thread)
+
+        in_one = []
+        for _ in range(5):  # on a loaded machine, a warm call may outlast the first wait
+            monkeypatch.setattr(threading.Thread, "start", recorded)
+            assert fn(0, 0.0) == [0, 10]
+            monkeypatch.undo()
+            job = fn._runner.last
+            in_one.append(not any(job.id in name for name in started))
+            job.release()
+        assert any(in_one), started
+    wait_resources_back(timeout=30)
+
+
+def test_a_refusal_is_raised_and_a_call_after_the_supervisor_ended_idle_starts_anew(
+    cluster, capfd
+):
+    """What the supervisor refuses is raised in the driver before any rank starts. A
+    supervisor whose pool went idle and whose jobs were all released ends; the function's
+    next call starts a new one, and says so."""
+    never = distribute(pid, num_replicas=3, replicas_per_node=3, detach=True, idle_timeout=1,
+                       address=cluster.address)
+    with never, pytest.raises(PlacementError, match="GPU: 2"):
+        never()
+    with distribute(count, num_replicas=2, replicas_per_node=1, detach=True, idle_timeout=1,
+                    address=cluster.address) as fn:
+        assert fn(0, 0.0) == [0, 10]
+        fn._runner.last.release()
+        ended = fn._runner._supervisor_name
+        wait_for(lambda: ended not in _supervisors(), 60, "the idle supervisor ended")
+        capfd.readouterr()
+        assert fn(0, 0.0) == [0, 10]
+        assert "its supervisor had ended" in capfd.readouterr().err
+        assert fn._runner._supervisor_name != ended
+        fn._runner.last.release()
+    wait_resources_back(timeout=30)
+    mine = {fn._runner._supervisor_name, never._runner._supervisor_name}
+    wait_for(lambda: not mine.intersection(_supervisors()), 60, "their supervisors gone")
 
 
 INTERRUPTED = """from tests.test_detach import count

@@ -84,6 +84,27 @@ def test_closing_wakes_a_waiting_reader_whose_page_then_says_it_has_everything()
     assert journal.read(after=partial.next).closed
 
 
+def test_a_settling_reader_waits_a_moment_more_for_the_end_once_output_came():
+    """A submit's first read: output and a close soon after come in one page; a job that
+    goes on is answered once the settle time is up, not after the whole wait."""
+    journal = Journal(ranks=1)
+    threading.Timer(0.05, journal.write, (0, _chunks("last\n"))).start()
+    threading.Timer(0.15, journal.close).start()
+    page = journal.read(after=0, wait_s=10, settle_s=5)
+    assert [e.chunk.data for e in page.entries] == [b"last\n"] and page.closed
+    going_on = Journal(ranks=1)
+    going_on.write(0, _chunks("first\n"))
+    started = time.monotonic()
+    page = going_on.read(after=0, wait_s=10, settle_s=0.2)
+    assert [e.chunk.data for e in page.entries] == [b"first\n"] and not page.closed
+    assert 0.15 < time.monotonic() - started < 5
+    unsettled = Journal(ranks=1)
+    unsettled.write(0, _chunks("first\n"))
+    started = time.monotonic()
+    assert not unsettled.read(after=0, wait_s=10).closed  # no settle_s: at once
+    assert time.monotonic() - started < 0.15
+
+
 def test_replayed_into_a_console_it_shows_what_the_live_console_showed(capsys):
     """A line split across chunks is whole again, and ranks printing alike fold as live."""
     journal = Journal(ranks=8)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator import shipping
@@ -33,6 +33,7 @@ from orchestrator.show import messages
 from orchestrator.supervise import registry
 from orchestrator.supervise.follow import (
     ASK_TIMEOUT_S,
+    PAGE_ENTRIES,
     FollowedJob,
     SupervisorLostError,
     how_to_get_back,
@@ -42,8 +43,9 @@ from orchestrator.supervise.supervisor import (
     NAMESPACE,
     RemoteShell,
     RemoteSupervisor,
+    SupervisorEndedError,
 )
-from orchestrator_workers.protocol import unwire, wire
+from orchestrator_workers.protocol import Payload, unwire, wire
 
 BACKLOG_LINES = 1_000
 """Getting a job back shows each rank's newest this many lines, then follows."""
@@ -82,34 +84,62 @@ class Detached:
         *,
         owner: Any = None,
         in_cell: bool = False,
+        first_wait_s: float = 0.0,
     ) -> FollowedJob[Any]:
-        """Send `fn(*args, **kwargs)` to the supervisor; its FollowedJob, at once."""
+        """Send `fn(*args, **kwargs)` to the supervisor; its FollowedJob, once accepted.
+
+        `first_wait_s`: how long the supervisor may wait for the job's first output or end
+        before it answers (a caller that waits for the result: a short call then costs one
+        Ray call, not a submit and a read); 0 answers as soon as the job is queued.
+        """
         if self.last is not None and not self.last.done() and not options.queue:
             raise BusyError.still_running(self.name, self.last)
         payload, uses_torch = shipping.pack(fn, args, kwargs)
+        for anew in (False, True):
+            record, handle, submitted = self._send(payload, uses_torch, options, first_wait_s)
+            try:
+                refused, page, outcome = unwire(
+                    ray.get(submitted, timeout=START_TIMEOUT_S + first_wait_s)
+                )
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt(
+                    f"stopped waiting for job {record.id}, which may run on in the cluster: "
+                    f"{how_to_get_back(record.id)}"
+                ) from None
+            except RayActorError:  # it ended, or was stopped (with its ranks): anew, once
+                if anew:
+                    raise
+                refused = SupervisorEndedError(f"{self._supervisor_name} is gone")
+            if not isinstance(refused, SupervisorEndedError) or anew:
+                break
+            messages.say(f"its supervisor had ended ({refused}); starting a new one",
+                         job=self.name)
+            with self._lock:
+                self._handle = None
+        if refused is not None:
+            raise refused
+        messages.say(f"detached job {record.id}; {how_to_get_back(record.id)}", job=self.name)
+        first = (page, outcome)
+        job: FollowedJob[Any] = FollowedJob(record, handle, in_cell=in_cell, owner=owner,
+                                            first=first)
+        self.last = self.current = job
+        return job
+
+    def _send(
+        self, payload: Payload, uses_torch: bool, options: Options, first_wait_s: float
+    ) -> tuple[registry.JobRecord, Any, ray.ObjectRef]:
+        """The call sent to the supervisor (started now if need be): its job's record, the
+        supervisor's handle, and the reference to its answer."""
         for again in (False, True):
             try:
                 handle = self._supervisor()
                 record = registry.new_record(self.name, options, self._supervisor_name or "")
                 packed = wire((record, payload, uses_torch, _in_cluster(options)))
-                submitted = handle.submit.remote(packed)
-                break
+                return record, handle, handle.submit.remote(packed, PAGE_ENTRIES, first_wait_s)
             except ConnectionError as exc:  # Ray Client's session was lost: a new one, once
                 if again or not cluster.lost_session(exc) or not cluster.rejoin(self._session):
                     raise
-        # Its first read goes with the submit (the supervisor waits for the job), not after.
-        job: FollowedJob[Any] = FollowedJob(record, handle, in_cell=in_cell, owner=owner)
-        try:
-            refused = unwire(ray.get(submitted, timeout=START_TIMEOUT_S))
-            if refused is not None:
-                raise refused
-        except BaseException:
-            job.unfollow()
-            job._discard()
-            raise
-        messages.say(f"detached job {record.id}; {how_to_get_back(record.id)}", job=self.name)
-        self.last = self.current = job
-        return job
+        raise AssertionError("unreachable")
 
     def shutdown(self) -> None:
         """Stop following this function's jobs here, and let its supervisor release its

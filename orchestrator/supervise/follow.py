@@ -66,13 +66,14 @@ class FollowedJob(Job[R]):
         fold: bool | None = None,
         ranks: Collection[int] | None = None,
         owner: Any = None,
+        first: tuple[Any, Outcome | None] | None = None,
     ) -> None:
         """Follow the job of `record`, supervised by actor `handle`.
 
+        `first`: its first page, and its outcome where that page ends it (a submit's answer);
         `backlog`: show each rank's newest this many lines first (None: from the start);
-        `show`: show the ranks' output on this process's console as it comes; `fold`: as
-        `distribute(fold_output=...)` (None: as the job's driver asked); `ranks`: the
-        ranks shown (None: as the job's driver asked).
+        `show`: show the ranks' output here as it comes; `fold`, `ranks`: as `distribute`'s
+        `fold_output` and `log_ranks` (None: as the job's driver asked).
         """
         self.id = record.id
         """The job's id in the cluster: its name and a short random part."""
@@ -80,8 +81,7 @@ class FollowedJob(Job[R]):
         self._handle = handle
         self._session = cluster.session()
         """The Ray session `_handle` belongs to (see `cluster.rejoin`)."""
-        self._down_since: float | None = None
-        """Since when the supervisor does not answer (None while it does)."""
+        self._down_since: float | None = None  # since when the supervisor does not answer
         self._snapshot: Snapshot | None = None
         self._unfollowed = threading.Event()
         self._following_lock = threading.Lock()
@@ -101,10 +101,16 @@ class FollowedJob(Job[R]):
             fold=options.fold_output if fold is None else fold,
         )
         _following.add(self)
-        self._thread = threading.Thread(
-            target=self._follow, args=(backlog,), name=f"follow {self.id}", daemon=True
-        )
-        self._thread.start()
+        after = 0
+        if first is not None:
+            page, outcome = first
+            self._show_page(page)
+            after = page.next
+            if page.closed:  # it ended already: nothing to follow
+                self._reading = False
+                self._end(outcome)
+                return
+        self._read_in_thread("follow", backlog, after)
 
     # What a Job answers, asked of the supervisor.
 
@@ -172,10 +178,7 @@ class FollowedJob(Job[R]):
             if self._reading:
                 return
             self._reading = True
-            self._thread = threading.Thread(
-                target=self._follow, args=(None,), name=f"watch {self.id}", daemon=True
-            )
-            self._thread.start()
+            self._read_in_thread("watch", None, 0)
 
     def __repr__(self) -> str:
         """E.g. <Job train-3f9a1c running (detached)>."""
@@ -184,9 +187,13 @@ class FollowedJob(Job[R]):
 
     # Following.
 
-    def _follow(self, backlog: int | None) -> None:
+    def _read_in_thread(self, what: str, backlog: int | None, after: int) -> None:
+        name = f"{what} {self.id}"
+        threading.Thread(target=self._follow, args=(backlog, after), name=name, daemon=True).start()
+
+    def _follow(self, backlog: int | None, after: int) -> None:
         try:
-            self._follow_from(backlog)
+            self._follow_from(backlog, after)
         except SystemExit:  # Ray shuts down in this process (its exit): stop following
             self.unfollow()
         except SupervisorLostError as exc:
@@ -203,8 +210,7 @@ class FollowedJob(Job[R]):
             with self._following_lock:
                 self._reading = False
 
-    def _follow_from(self, backlog: int | None) -> None:
-        after = 0
+    def _follow_from(self, backlog: int | None, after: int) -> None:
         if not self._show_output:  # watching for its end only: from where it is now
             snapshot = self._look()
             after = snapshot.position if snapshot is not None else 0
@@ -284,34 +290,28 @@ class FollowedJob(Job[R]):
     def _end(self, outcome: Outcome | None) -> None:
         if outcome is None:
             self._settle(None, SupervisorLostError(f"job {self.id}: its outcome is gone"))
-        elif outcome.cancelled:
-            self._settle_cancelled()
-        else:
+        elif not outcome.cancelled:
             self._settle(outcome.value, outcome.error)
+        else:
+            self._console.flush()
+            _following.discard(self)
+            # Unless cancelled from this process (cancel() settles it then).
+            if not self._stop_requested.is_set() and _cancel_future(self):
+                self._discard()
+                self._show(CANCELLED)
 
     def _settle(self, value: list[R] | None, error: BaseException | None) -> None:
         self._console.flush()
         _following.discard(self)
         self._finish(value, error)
 
-    def _settle_cancelled(self) -> None:
-        self._console.flush()
-        _following.discard(self)
-        if self._stop_requested.is_set():
-            return  # cancelled from this process: cancel() settles it
-        if _cancel_future(self):
-            self._discard()
-            self._show(CANCELLED)
-
     def _settle_lost(self, exc: BaseException) -> None:
-        self._settle(
-            None,
-            SupervisorLostError(
-                f"job {self.id}: its supervisor is gone ({type(exc).__name__}), so the job "
-                "is lost: the node that supervised it (the head node) died or the actor was "
-                "killed. Its ranks were stopped with it."
-            ),
+        lost = SupervisorLostError(
+            f"job {self.id}: its supervisor is gone ({type(exc).__name__}), so the job is "
+            "lost: the node that supervised it (the head node) died or the actor was killed. "
+            "Its ranks were stopped with it."
         )
+        self._settle(None, lost)
 
     def _unreachable(self, exc: BaseException) -> None:
         """The supervisor did not answer (the network is down; or Ray Client's session was

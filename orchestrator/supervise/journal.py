@@ -104,14 +104,22 @@ class Journal:
             self._closed = True
             self._grown.notify_all()
 
-    def read(self, after: int = 0, limit: int = 10_000, wait_s: float = 0.0) -> Page:
+    def read(
+        self, after: int = 0, limit: int = 10_000, wait_s: float = 0.0, settle_s: float = 0.0
+    ) -> Page:
         """Up to `limit` entries after position `after`, in arrival order; waits up to
-        `wait_s` for one if there is none yet (and the journal is open)."""
+        `wait_s` for one if there is none yet (and the journal is open), and then up to
+        `settle_s` more (within `wait_s`) for it to close: a job that ends at once then
+        comes in one page."""
         with self._lock:
             if wait_s > 0:
+                end = time.monotonic() + wait_s
                 self._grown.wait_for(
                     lambda: self._position > after or self._closed, timeout=wait_s
                 )
+                settle_s = min(settle_s, end - time.monotonic())
+                if settle_s > 0:
+                    self._grown.wait_for(lambda: self._closed, timeout=settle_s)
             entries = tuple(_take(self._after(after), limit))
             dropped = {
                 rank: kept.dropped_lines

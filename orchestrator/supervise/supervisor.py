@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from orchestrator.connect import bootstrap
+from orchestrator.errors import OrchestratorError
 from orchestrator.job import Job, JobStatus
 from orchestrator.options import Options
 from orchestrator.runner import Runner
@@ -38,9 +39,17 @@ RETENTION_S = 7 * 24 * 3600.0
 """How long a finished job's output and result are kept when nobody releases them."""
 JANITOR_S = 5.0
 """How often the supervisor looks for an idle pool and expired jobs."""
+FIRST_SETTLE_S = 0.01
+"""How long a submit's answer waits, once the job has output, for the job to end (a short
+call that prints then comes back in one Ray call; its first lines are shown that late)."""
 CONCURRENCY = 64
 """Calls the supervisor serves at once: followers' long reads must not queue behind each
 other, nor behind a call that submits."""
+
+
+class SupervisorEndedError(OrchestratorError):
+    """A call came to a supervisor that ends (its pool released, no job kept): the driver
+    starts a new one."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +100,12 @@ class Supervisor:
         self._runner = Runner(name, self.options)
         self._jobs: dict[str, _Kept] = {}
         self._lock = threading.Lock()
-        self._added = threading.Condition(self._lock)
         self._idle_since = time.monotonic()
         self._release_now = False
         self._started = time.monotonic()
         self._submitted = False
+        self._submitting = 0
+        """Calls being queued now (the janitor does not end this actor under them)."""
         threading.Thread(target=self._janitor, name="janitor", daemon=True).start()
 
     def ready(self) -> bool:
@@ -128,35 +138,54 @@ class Supervisor:
             "idle_timeout": self.options.idle_timeout,
         }
 
-    def submit(self, packed: bytes) -> bytes:
+    def submit(self, packed: bytes, limit: int, wait_s: float) -> bytes:
         """Queue one call, packed by the driver: (record, payload, uses_torch, options),
         wired (see `protocol.wire`); its job is kept (and recorded in the cluster, in the
-        background) as `record` says. None, or the error that refused it, wired."""
+        background) as `record` says. Then the job's first `read` (after position 0, up to
+        `limit` entries, waiting up to `wait_s`), so that a call that ends within `wait_s`
+        costs its driver one Ray call: (None, Page, Outcome or None), or (the error that
+        refused it, None, None), wired."""
         try:
-            self._submit(*unwire(packed))
+            job_id = self._submit(*unwire(packed))
         except Exception as exc:  # noqa: BLE001 - raised in the driver
-            return wire(exc)
-        return wire(None)
+            return wire((exc, None, None))
+        return wire((None, *self._read(job_id, 0, limit, wait_s, FIRST_SETTLE_S)))
 
     def _submit(
         self, record: registry.JobRecord, payload: Payload, uses_torch: bool, options: Options
-    ) -> None:
+    ) -> str:
         job_id = record.id
-        journal = Journal(options.num_replicas)
-        job = self._runner.submit_packed(payload, uses_torch, options, journal=journal)
-        job.add_done_callback(lambda _: journal.close())  # after its last output is in
+        with self._lock:
+            if self._ending:
+                raise SupervisorEndedError(
+                    f"{self._actor_name} ended: no call for idle_timeout="
+                    f"{self.options.idle_timeout:g} s, and no job kept"
+                )
+            self._submitting += 1
+        try:
+            journal = Journal(options.num_replicas)
+            job = self._runner.submit_packed(payload, uses_torch, options, journal=journal)
+            job.add_done_callback(lambda _: journal.close())  # after its last output is in
+        finally:
+            with self._lock:
+                self._submitting -= 1
         with self._lock:
             self._jobs[job_id] = _Kept(job, journal)
             self._submitted = True
-            self._added.notify_all()
         threading.Thread(target=registry.keep, args=(record,), daemon=True).start()
+        return job_id
 
     def read(self, job_id: str, after: int, limit: int, wait_s: float) -> bytes:
         """Journal entries of `job_id` after position `after` (see `Journal.read`), and
         when the page reaches the end of a job that ended, how it ended: (Page, Outcome or
         None), wired."""
-        page = self._kept(job_id, wait_s).journal.read(after, limit, wait_s)
-        return wire((page, self._outcome(job_id, 0.0) if page.closed else None))
+        return wire(self._read(job_id, after, limit, wait_s))
+
+    def _read(
+        self, job_id: str, after: int, limit: int, wait_s: float, settle_s: float = 0.0
+    ) -> tuple[Any, Any]:
+        page = self._kept(job_id).journal.read(after, limit, wait_s, settle_s)
+        return page, self._outcome(job_id, 0.0) if page.closed else None
 
     def text(self, job_id: str, prefix: str) -> tuple[str, str]:
         """Everything the journal keeps of `job_id`, as whole lines prefixed as `prefix`
@@ -253,18 +282,15 @@ class Supervisor:
                     if kept.job.done() and now - kept.done_at(now) >= RETENTION_S:
                         del self._jobs[job_id]
                         registry.forget(job_id)
-                empty = not self._jobs
+                empty = not self._jobs and not self._submitting
                 unused = self._submitted or now - self._started >= idle_timeout
                 self._ending = empty and unused and self._runner.pool is None
             if self._ending:
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
 
-    def _kept(self, job_id: str, wait_s: float = 0.0) -> _Kept:
-        """The job `job_id`, waiting up to `wait_s` for its submit (a follower's first read
-        is sent with it, not after it)."""
+    def _kept(self, job_id: str) -> _Kept:
         with self._lock:
-            self._added.wait_for(lambda: job_id in self._jobs, timeout=wait_s)
             kept = self._jobs.get(job_id)
         if kept is None:
             raise KeyError(f"{self.name} keeps no job {job_id!r} (released?)")
