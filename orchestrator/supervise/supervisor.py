@@ -166,10 +166,12 @@ class Supervisor:
             journal = Journal(options.num_replicas)
             job = self._runner.submit_packed(payload, uses_torch, options, journal=journal)
             job.add_done_callback(lambda _: journal.close())  # after its last output is in
-        finally:
+        except BaseException:
             with self._lock:
                 self._submitting -= 1
-        with self._lock:
+            raise
+        with self._lock:  # counted or kept whenever the janitor looks
+            self._submitting -= 1
             self._jobs[job_id] = _Kept(job, journal)
             self._submitted = True
         threading.Thread(target=registry.keep, args=(record,), daemon=True).start()
