@@ -18,7 +18,7 @@ from orchestrator.connect import cluster
 from orchestrator.job import Job, stop_all
 from orchestrator.options import DEFAULT_PREFIX, STALL_AFTER_S, CallOptions, Options
 from orchestrator.runner import Runner
-from orchestrator.show import notebook
+from orchestrator.show import messages, notebook
 from orchestrator.show.logs import read_log
 from orchestrator.supervise.detached import Detached
 from orchestrator.supervise.follow import READ_WAIT_S, FollowedJob, stop_following
@@ -218,6 +218,10 @@ def distribute(
     return DistributedFunction(fn, options)
 
 
+SETTLE_AT_EXIT_S = 2.0
+"""How long the exit waits for cancelled calls to end before Ray shuts down."""
+
+
 def _at_exit() -> None:
     """Interpreter exit: stop this process's unfinished jobs, then the embedded Ray.
 
@@ -225,7 +229,12 @@ def _at_exit() -> None:
     """
     stop_following(say=True)
     stop_all(say=True)
-    runner.settle(2.0)  # the cancelled calls' threads, then their clean-ups, leave Ray
+    late = runner.settle(SETTLE_AT_EXIT_S)  # the cancelled calls' threads leave Ray
+    if late:  # then Ray, shut down under them, may end this process with its own words
+        messages.warn(
+            f"the cancelled call of {', '.join(late)} was still ending {SETTLE_AT_EXIT_S:g} s "
+            "after exit began; Ray may report its core worker shut down under it"
+        )
     shipping.at_exit()
     cluster.at_exit()
 

@@ -340,12 +340,16 @@ _runners: weakref.WeakSet[Runner] = weakref.WeakSet()
 """Every runner in this process, so a waiting job can reclaim idle pools."""
 
 
-def settle(wait_s: float) -> None:
+def settle(wait_s: float) -> list[str]:
     """Wait up to `wait_s` in all for every runner's current job to end (at exit, after
-    they were cancelled: their threads leave Ray alone before it shuts down)."""
+    they were cancelled: their threads leave Ray alone before it shuts down); the names of
+    those whose job had not ended by then."""
     deadline = time.monotonic() + wait_s
-    for runner in list(_runners):
-        runner._idle(max(0.0, deadline - time.monotonic()))
+    return [
+        runner.name
+        for runner in list(_runners)
+        if not runner._idle(max(0.0, deadline - time.monotonic()))
+    ]
 
 
 def _plan(options: Options) -> Plan:

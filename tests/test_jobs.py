@@ -10,7 +10,7 @@ import time
 import pytest
 from ray.util import placement_group_table
 
-from orchestrator import BusyError, PlacementError, PlacementTimeoutError, distribute
+from orchestrator import BusyError, PlacementError, PlacementTimeoutError, distribute, runner
 from tests.helpers import wait_resources_back
 
 from .helpers import wait_for
@@ -111,10 +111,12 @@ def test_placement_timeout_cancel_pending_and_cancel_running(cluster):
     )
 
     # A running job stops its ranks and gives back its resources.
+    assert "blocker" in runner.settle(0.2)  # what the exit would name as still ending
     cancelled_at = time.monotonic()
     assert not running.done(), (running, running.status(), running.exception() or running.result())
     assert running.cancel()
     wait_for(lambda: gone(pids), 10, "ranks stopped")
+    assert "blocker" not in runner.settle(30)  # its thread left Ray: the exit would wait no more
     stopped_after = time.monotonic() - cancelled_at
     assert stopped_after < 5, stopped_after
     assert running.cancelled()
