@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from orchestrator.function import DistributedFunction, distribute
     from orchestrator.job import Job, JobStatus, RankStatus
     from orchestrator.options import CallOptions, default_log_dir
-    from orchestrator.supervise.detached import JobInfo, get_job, list_jobs
+    from orchestrator.supervise.catalog import JobInfo, get_job, list_jobs
     from orchestrator.supervise.follow import FollowedJob, SupervisorLostError
     from orchestrator_workers.protocol import RankFailure
     from orchestrator_workers.states import State
@@ -46,7 +46,7 @@ _WHERE = {
     ),
     "orchestrator.job": ("Job", "JobStatus", "RankStatus"),
     "orchestrator.options": ("CallOptions", "default_log_dir"),
-    "orchestrator.supervise.detached": ("JobInfo", "get_job", "list_jobs"),
+    "orchestrator.supervise.catalog": ("JobInfo", "get_job", "list_jobs"),
     "orchestrator.supervise.follow": ("FollowedJob", "SupervisorLostError"),
     "orchestrator_workers.protocol": ("RankFailure",),
     "orchestrator_workers.states": ("State",),

@@ -4,7 +4,9 @@ their driver, and any process gets them back whole (docs/usage.md: "Detached job
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from orchestrator import (
     DistributedError,
     PlacementError,
     SupervisorLostError,
+    _ray_compat,
     distribute,
     get_job,
     list_jobs,
@@ -99,6 +102,7 @@ def test_a_detached_job_outlives_its_killed_driver_and_is_got_back_whole(cluster
     assert job_id not in {found.id for found in list_jobs()}
     # Its warm pool waits idle_timeout (5 s) for a later driver, then goes; then it does.
     wait_for(lambda: not _supervisors(), 40, "the supervisor gone once its jobs were released")
+    assert job.record.supervisor not in {name for name, _, _ in registry.supervisors()}
     wait_resources_back()
 
 
@@ -138,11 +142,27 @@ def test_orchestrator_logs_prints_every_line_and_one_rank_whole(cluster, capfd):
     one = subprocess.run([*cli, "--rank", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=False)
     assert one.stdout == "".join(f"rank 1 line {i}\n" for i in range(LINES)), one.stdout
-    # A job recorded by another version of the product says so when it is got back.
-    registry.keep(dataclasses.replace(job.record, code="0" * 16))
+    # A job submitted by another version of the product says so when it is got back.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry.rankside, "both_content", lambda: "0" * 16)
+        other = fn.submit(1, 0.0)
+    assert other.record.code == "0" * 16
     capfd.readouterr()
-    assert get_job(job.id, show=False).result(timeout=30) == [0, 10]
+    newest = get_job("count", show=False)  # a name: its newest job
+    assert newest.id == other.id and newest.result(timeout=30) == [0, 10]
     assert "was started by another version of orchestrator" in capfd.readouterr().err
+    get_job(job.id, show=False).release()  # this version's: said nothing
+    assert "was started by another version" not in capfd.readouterr().err
+    # A job of a version before 2026-12: recorded by itself, its supervisor not recorded.
+    registry.forget_supervisor(other.record.supervisor)
+    with pytest.raises(ConfigError, match="no detached job"):
+        get_job(other.id, show=False)
+    earlier = json.dumps(dataclasses.asdict(other.record)).encode()
+    _ray_compat.kv_put(registry.EARLIER_JOBS + other.id, earlier)
+    assert get_job(other.id, show=False).result(timeout=30) == [0, 10]
+    _ray_compat.kv_delete(registry.EARLIER_JOBS + other.id)
+    registry.keep_supervisor(other.record.supervisor, "count")
+    other.release()
     job.release()
     fn.shutdown()
     wait_resources_back()
@@ -266,7 +286,18 @@ def test_losing_the_supervisor_fails_the_job_clearly_and_its_ranks_go(cluster):
     wait_resources_back(timeout=60)  # its ranks belonged to it
     with pytest.raises(SupervisorLostError, match="gone"):
         get_job(job.id)
-    registry.forget(job.id)
+    lost = [info for info in list_jobs() if info.id == job.record.supervisor]
+    assert [info.state for info in lost] == ["lost"], list_jobs()
+    cli = [sys.executable, "-m", "orchestrator"]
+    listed = subprocess.run([*cli, "jobs", "--address", cluster.address], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert re.search(rf"^{job.record.supervisor} +lost +- ", listed.stdout, re.M), listed.stdout
+    forgot = subprocess.run([*cli, "stop", job.record.supervisor, "--address", cluster.address],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert "its record is removed" in forgot.stdout, forgot.stdout + forgot.stderr
+    assert job.record.supervisor not in {info.id for info in list_jobs()}
+    with pytest.raises(ConfigError, match="no detached job"):
+        get_job(job.id)
 
 
 def test_detach_without_a_lasting_ray_is_refused_before_anything_starts(processes, tmp_path):

@@ -8,13 +8,13 @@ import time
 
 import ray
 
-from orchestrator.supervise import detached, follow, registry
+from orchestrator.supervise import catalog, detached, follow
 
 
 def jobs(address: str | None) -> int:
     """Print every detached job (id, state, ranks, nodes, age, who started it), then the
     warm pools that wait for a next call, and what they hold."""
-    found = detached.list_jobs(address)
+    found = catalog.list_jobs(address)
     listed = [job for job in found if not job.is_pool]
     pools = [job for job in found if job.is_pool]
     if not listed:
@@ -24,7 +24,8 @@ def jobs(address: str | None) -> int:
         for job in listed:
             started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.started))
             nodes = ",".join(job.nodes) or "-"
-            rows.append((job.id, job.state, str(job.ranks), nodes, started, job.user))
+            ranks = "-" if job.state == catalog.LOST else str(job.ranks)
+            rows.append((job.id, job.state, ranks, nodes, started, job.user))
         _print_rows(rows)
     if pools:
         print("\nwarm pools (orchestrator stop SUPERVISOR releases one):")
@@ -50,10 +51,7 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
     with `keep_following`, what they write next until the job ends; Ctrl-C stops
     following, not the job. The exit status: 0, or 1 when the job failed."""
     detached.connect_lasting(address)
-    record = registry.find(job_id)
-    handle = detached.find_supervisor(record.supervisor)
-    if handle is None:
-        raise follow.SupervisorLostError(f"job {record.id}: its supervisor is gone")
+    record, handle = catalog.find_job(job_id)
     if rank is not None and not keep_following:
         sys.stdout.write(ray.get(handle.logs.remote(record.id, rank)))
         return 0
@@ -74,11 +72,15 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
 
 
 def stop(job_id: str, address: str | None) -> int:
-    """Stop a detached job's ranks (or release a warm pool, given its supervisor)."""
-    if job_id.startswith("supervisor-") and detached.release_pool(job_id, address):
+    """Stop a detached job's ranks (or release a warm pool, given its supervisor; or forget
+    a lost supervisor)."""
+    if job_id.startswith("supervisor-") and catalog.release_pool(job_id, address):
         print(f"{job_id} releases its warm pool (once no job of it runs)")
         return 0
-    job = detached.get_job(job_id, address, show=False)
+    if job_id.startswith("supervisor-") and catalog.forget_lost(job_id):
+        print(f"{job_id} was gone with its jobs; its record is removed")
+        return 0
+    job = catalog.get_job(job_id, address, show=False)
     if job.cancel():
         print(f"stopped job {job.id}")
     else:

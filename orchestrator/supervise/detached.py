@@ -2,10 +2,11 @@
 warm one adopted), its calls sent, and the cluster's detached jobs found again.
 
 `distribute(..., detach=True)` gives the function a `Detached` in place of a `Runner`: each
-call goes to the function's supervisor and comes back as a `FollowedJob`. Each job is
-recorded in the cluster's key-value store (`supervise.registry`), so `get_job` and
-`list_jobs` find it from any process that reaches the cluster; each warm pool too, so a
-later driver asking for the same pool gets its ranks.
+call goes to the function's supervisor and comes back as a `FollowedJob`. Each supervisor
+is recorded in the cluster's key-value store (`supervise.registry`) and keeps its jobs'
+records, so `get_job` and `list_jobs` find a job from any process that reaches the cluster
+by asking the supervisors; each warm pool is recorded too, so a later driver asking for
+the same pool gets its ranks.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ import contextlib
 import dataclasses
 import os
 import pickle
-import sys
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -35,7 +33,6 @@ from orchestrator.supervise.follow import (
     ASK_TIMEOUT_S,
     PAGE_ENTRIES,
     FollowedJob,
-    SupervisorLostError,
     how_to_get_back,
 )
 from orchestrator.supervise.supervisor import (
@@ -47,8 +44,6 @@ from orchestrator.supervise.supervisor import (
 )
 from orchestrator_workers.protocol import Payload, unwire, wire
 
-BACKLOG_LINES = 1_000
-"""Getting a job back shows each rank's newest this many lines, then follows."""
 START_TIMEOUT_S = 120.0
 """How long a new supervisor may take to start."""
 NO_LASTING_RAY = (
@@ -225,6 +220,7 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
         with contextlib.suppress(Exception):
             ray.kill(handle)
         raise
+    registry.keep_supervisor(actor_name, name)
     registry.keep_pool(key, actor_name)
     return handle, actor_name
 
@@ -264,118 +260,3 @@ def find_supervisor(name: str) -> Any | None:
         return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return None
-
-
-def get_job(id_or_name: str, address: str | None = None, *, show: bool = True) -> FollowedJob[Any]:
-    """The detached job `id_or_name` (a name: its newest job), followed from here.
-
-    It shows the job's table and each rank's newest lines at once, then follows it.
-    """
-    connect_lasting(address)
-    record = registry.find(id_or_name)
-    handle = find_supervisor(record.supervisor)
-    if handle is None:
-        raise SupervisorLostError(
-            f"job {record.id}: its supervisor {record.supervisor} is gone, so the job is lost "
-            "(the head node restarted, or it was stopped)"
-        )
-    if record.code != rankside.both_content():
-        messages.warn(
-            f"job {record.id} was started by another version of orchestrator (code "
-            f"{record.code}, this one's is {rankside.both_content()}); what it reports may "
-            "differ",
-            job=record.name,
-        )
-    job: FollowedJob[Any] = FollowedJob(record, handle, backlog=BACKLOG_LINES, show=show)
-    if show:
-        with contextlib.suppress(Exception):
-            print(job.table().text(), file=sys.stderr, flush=True)
-    return job
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    """One detached job, or a warm pool that waits for its next call, as `list_jobs` shows
-    it."""
-
-    id: str
-    """A job's id; a warm pool's supervisor (what `orchestrator stop` takes)."""
-    name: str
-    state: str
-    """A job's State, or "lost" when its supervisor is gone; WARM_POOL for a pool."""
-    ranks: int
-    nodes: tuple[str, ...]
-    """The nodes its ranks run (or ran) on."""
-    started: float
-    """When it was submitted (time.time()); when a pool went idle."""
-    user: str
-    """user@host of the driver that submitted a job ('' for a pool)."""
-    holds: dict[str, float] = dataclasses.field(default_factory=dict)
-    """What a warm pool holds for its idle timeout: {"CPU": 4.0, "GPU": 0.0} ({} for a job)."""
-    idle_s: float | None = None
-    """How long a warm pool has been idle."""
-    idle_timeout: float | None = None
-    """After how long idle a warm pool is released."""
-
-    @property
-    def is_pool(self) -> bool:
-        """Whether this is a warm pool, not a job."""
-        return self.state == WARM_POOL
-
-
-WARM_POOL = "warm pool"
-
-
-def list_jobs(address: str | None = None) -> list[JobInfo]:
-    """Every detached job in the cluster, oldest first, with its state now; then every
-    warm pool that waits for a next call, with what it holds."""
-    connect_lasting(address)
-    found = []
-    for record in registry.records():
-        state, nodes = "lost", ()
-        handle = find_supervisor(record.supervisor)
-        with contextlib.suppress(RayError, GetTimeoutError, KeyError):
-            if handle is not None:
-                wired = ray.get(handle.snapshot.remote(record.id), timeout=ASK_TIMEOUT_S)
-                snapshot = unwire(wired)
-                state = str(snapshot.status.state)
-                nodes = tuple(sorted({r.node_ip for r in snapshot.status.ranks if r.node_ip}))
-        found.append(
-            JobInfo(record.id, record.name, state, record.ranks, nodes, record.started,
-                    record.user)
-        )
-    now = time.time()
-    for pool in _pools():
-        if pool["idle_s"] is None:
-            continue  # its job is listed
-        held = {"CPU": float(pool["cpus"]), "GPU": float(pool["gpus"])}
-        found.append(
-            JobInfo(pool["supervisor"], pool["name"], WARM_POOL, pool["ranks"],
-                    tuple(pool["nodes"]), now - pool["idle_s"], "", held, pool["idle_s"],
-                    pool["idle_timeout"])
-        )
-    return found
-
-
-def _pools() -> list[dict[str, Any]]:
-    """Every detached function's warm pool in the cluster: its supervisor, name, ranks,
-    nodes, the CPUs and GPUs it holds, how long it has been idle (None: a job runs), its
-    idle_timeout."""
-    found = []
-    for _key, name in registry.pools():
-        handle = find_supervisor(name)
-        with contextlib.suppress(RayError, GetTimeoutError):
-            info = ray.get(handle.pool_info.remote(), timeout=ASK_TIMEOUT_S) if handle else None
-            if info and info["ranks"]:
-                found.append(info)
-    return found
-
-
-def release_pool(supervisor: str, address: str | None = None) -> bool:
-    """Release the warm pool of `supervisor` once no job of it runs; False if none is kept."""
-    connect_lasting(address)
-    handle = find_supervisor(supervisor)
-    if handle is None:
-        return False
-    ray.get(handle.release_when_idle.remote(), timeout=ASK_TIMEOUT_S)
-    return True

@@ -26,7 +26,6 @@ from orchestrator.job import CANCELLED, Job, JobStatus, RankStatus, restart_line
 from orchestrator.show import messages
 from orchestrator.show.logs import Console
 from orchestrator.show.notebook import Table
-from orchestrator.supervise import registry
 from orchestrator.supervise.registry import JobRecord
 from orchestrator.supervise.supervisor import NAMESPACE, Outcome, Snapshot
 from orchestrator_workers.protocol import unwire
@@ -146,7 +145,6 @@ class FollowedJob(Job[R]):
     def release(self) -> None:
         """Let the supervisor forget this finished job (its journal and result)."""
         self._ask("release")
-        registry.forget(self.id)
 
     def unfollow(self, say: bool = False) -> None:
         """Stop following (and showing) the job here; it runs on. `say`: say how to get back."""

@@ -1,13 +1,17 @@
-"""Where the cluster keeps its detached jobs' records: any process that reaches it finds them.
+"""Where the cluster keeps its detached functions' supervisors: any process that reaches it
+finds them, and through them their jobs.
 
-One record per job in Ray's internal key-value store (namespace "orchestrator"), under
-`jobs/<id>`: what `list_jobs` shows and what `get_job` needs to reach the job's supervisor.
-Whoever holds the cluster's token may read and change it, as they may use the cluster.
+One record per supervisor in Ray's internal key-value store (namespace "orchestrator"),
+under `supervisors/<actor name>`, written once when it starts; each supervisor keeps its
+own jobs' records (`JobRecord`) and answers for them (`Supervisor.find`, `.jobs`), so a
+call records nothing here and `list_jobs` asks each supervisor once, however many jobs it
+keeps. A warm pool is recorded under `pools/<key>` for a later driver that asks for the
+same. Whoever holds the cluster's token may read and change these, as they may use the
+cluster.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import getpass
 import hashlib
 import json
@@ -20,11 +24,12 @@ from dataclasses import dataclass
 
 from orchestrator import _ray_compat
 from orchestrator.connect import rankside
-from orchestrator.errors import ConfigError
 from orchestrator.options import Options
 
-PREFIX = "jobs/"
+SUPERVISORS = "supervisors/"
 POOLS = "pools/"
+EARLIER_JOBS = "jobs/"
+"""Where versions before 2026-12 recorded each job (read only, see `earlier_record`)."""
 
 
 @dataclass(frozen=True)
@@ -74,15 +79,37 @@ def new_record(name: str, options: Options, supervisor: str) -> JobRecord:
     )
 
 
-def keep(record: JobRecord) -> None:
-    """Record `record` in the cluster (as JSON: reading a record runs no code)."""
-    _ray_compat.kv_put(PREFIX + record.id, json.dumps(dataclasses.asdict(record)).encode())
+def keep_supervisor(actor_name: str, name: str) -> None:
+    """Record that supervisor `actor_name` (of detached function `name`) runs (as JSON:
+    reading a record runs no code)."""
+    value = json.dumps({"name": name, "started": time.time()}).encode()
+    _ray_compat.kv_put(SUPERVISORS + actor_name, value)
 
 
-def _parse(value: bytes) -> JobRecord | None:
-    """The record in `value`; None for one this version cannot read."""
+def forget_supervisor(actor_name: str) -> None:
+    """Remove the record of supervisor `actor_name` (it ends, or it was lost)."""
+    _ray_compat.kv_delete(SUPERVISORS + actor_name)
+
+
+def supervisors() -> list[tuple[str, str, float]]:
+    """(actor name, function name, when it started) of every supervisor recorded, oldest
+    first."""
+    found = []
+    for key in _ray_compat.kv_keys(SUPERVISORS):
+        try:
+            fields = json.loads(_ray_compat.kv_get(key) or b"")
+            found.append((key[len(SUPERVISORS):], str(fields["name"]), float(fields["started"])))
+        except (ValueError, TypeError, KeyError):
+            continue  # gone meanwhile, or written by a version that this one cannot read
+    return sorted(found, key=lambda found: found[2])
+
+
+def earlier_record(job_id: str) -> JobRecord | None:
+    """The record of `job_id` as versions before 2026-12 kept it (one JSON key per job,
+    `jobs/<id>`), so that a job they started is still found; None where there is none."""
+    value = _ray_compat.kv_get(EARLIER_JOBS + job_id)
     try:
-        fields = json.loads(value)
+        fields = json.loads(value or b"")
         console = fields.pop("console")
         ranks = console["log_ranks"]
         console["log_ranks"] = None if ranks is None else tuple(ranks)
@@ -91,37 +118,9 @@ def _parse(value: bytes) -> JobRecord | None:
         return None
 
 
-def forget(job_id: str) -> None:
-    """Remove the record of `job_id`."""
-    _ray_compat.kv_delete(PREFIX + job_id)
-
-
-def records() -> list[JobRecord]:
-    """Every detached job's record, oldest first."""
-    found = []
-    for key in _ray_compat.kv_keys(PREFIX):
-        value = _ray_compat.kv_get(key)
-        record = _parse(value) if value is not None else None
-        if record is not None:
-            found.append(record)
-    return sorted(found, key=lambda r: r.started)
-
-
-def find(id_or_name: str) -> JobRecord:
-    """The record of job `id_or_name`, or of the newest job of that name; ConfigError naming
-    the jobs there are when there is none."""
-    value = _ray_compat.kv_get(PREFIX + id_or_name)
-    record = _parse(value) if value is not None else None
-    if record is not None:
-        return record
-    named = [r for r in records() if r.name == id_or_name]
-    if named:
-        return named[-1]
-    known = ", ".join(r.id for r in records()[-10:]) or "none"
-    raise ConfigError(
-        f"no detached job {id_or_name!r} in this cluster; the newest there are: {known} "
-        "(`orchestrator jobs` lists them)"
-    )
+def function_of(job_id: str) -> str:
+    """The function name in job id `job_id` (its name, a dash and a short random part)."""
+    return job_id.rsplit("-", 1)[0]
 
 
 def pool_key(options: Options) -> str:

@@ -3,8 +3,10 @@
 It runs where the driver's runner would (`orchestrator.runner`): it starts the rank actors
 itself, so that they belong to it and not to the driver, runs each call, restarts, watches
 for stalls and timeouts, and keeps each job's output (a `Journal`), its log files, status
-and outcome until they are released. Drivers only follow: they read pages of the journal
-and snapshots of the state (`supervise.follow`).
+and outcome until they are released, with each job's record: it answers for them to any
+process that finds it (`find`, `jobs`; `supervise.registry` records only the supervisor).
+Drivers only follow: they read pages of the journal and snapshots of the state
+(`supervise.follow`).
 
 It runs on the head node: losing the head loses the cluster's control store anyway, so the
 supervisor adds no node whose loss would end jobs that could otherwise go on.
@@ -74,6 +76,7 @@ class Outcome:
 
 @dataclass
 class _Kept:
+    record: registry.JobRecord
     job: Job[Any]
     journal: Journal
     ended: float | None = None
@@ -140,11 +143,10 @@ class Supervisor:
 
     def submit(self, packed: bytes, limit: int, wait_s: float) -> bytes:
         """Queue one call, packed by the driver: (record, payload, uses_torch, options),
-        wired (see `protocol.wire`); its job is kept (and recorded in the cluster, in the
-        background) as `record` says. Then the job's first `read` (after position 0, up to
-        `limit` entries, waiting up to `wait_s`), so that a call that ends within `wait_s`
-        costs its driver one Ray call: (None, Page, Outcome or None), or (the error that
-        refused it, None, None), wired."""
+        wired (see `protocol.wire`); its job is kept, with `record`, until released. Then
+        the job's first `read` (after position 0, up to `limit` entries, waiting up to
+        `wait_s`), so that a call that ends within `wait_s` costs its driver one Ray call:
+        (None, Page, Outcome or None), or (the error that refused it, None, None), wired."""
         try:
             job_id = self._submit(*unwire(packed))
         except Exception as exc:  # noqa: BLE001 - raised in the driver
@@ -172,10 +174,31 @@ class Supervisor:
             raise
         with self._lock:  # counted or kept whenever the janitor looks
             self._submitting -= 1
-            self._jobs[job_id] = _Kept(job, journal)
+            self._jobs[job_id] = _Kept(record, job, journal)
             self._submitted = True
-        threading.Thread(target=registry.keep, args=(record,), daemon=True).start()
         return job_id
+
+    def find(self, id_or_name: str) -> bytes:
+        """The record of job `id_or_name` if this supervisor keeps it, or of its newest job
+        of that name; None if neither: wired."""
+        with self._lock:
+            kept = self._jobs.get(id_or_name)
+            named = [k.record for k in self._jobs.values() if k.record.name == id_or_name]
+        if kept is not None:
+            return wire(kept.record)
+        return wire(max(named, key=lambda record: record.started, default=None))
+
+    def jobs(self) -> bytes:
+        """Every job it keeps, oldest first, with its state and nodes now: [(JobRecord,
+        state, nodes)], wired (`list_jobs` asks each supervisor once)."""
+        with self._lock:
+            kept = list(self._jobs.values())
+        found = []
+        for each in sorted(kept, key=lambda k: k.record.started):
+            status = each.job.status()
+            nodes = tuple(sorted({rank.node_ip for rank in status.ranks if rank.node_ip}))
+            found.append((each.record, str(status.state), nodes))
+        return wire(found)
 
     def read(self, job_id: str, after: int, limit: int, wait_s: float) -> bytes:
         """Journal entries of `job_id` after position `after` (see `Journal.read`), and
@@ -251,7 +274,6 @@ class Supervisor:
             kept = self._jobs.get(job_id)
             if kept is not None and kept.job.done():
                 del self._jobs[job_id]
-                registry.forget(job_id)
 
     def release_when_idle(self) -> None:
         """Release the warm pool as soon as no job runs or waits (now, if none does)."""
@@ -283,11 +305,11 @@ class Supervisor:
                 for job_id, kept in list(self._jobs.items()):
                     if kept.job.done() and now - kept.done_at(now) >= RETENTION_S:
                         del self._jobs[job_id]
-                        registry.forget(job_id)
                 empty = not self._jobs and not self._submitting
                 unused = self._submitted or now - self._started >= idle_timeout
                 self._ending = empty and unused and self._runner.pool is None
             if self._ending:
+                registry.forget_supervisor(self._actor_name)
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
 
