@@ -1,7 +1,7 @@
 """Detached jobs (issue 36): the warm call beside a live one, getting a job back, `orchestrator
-logs` into a pipe, and the output latency while a driver follows.
+logs` into a pipe, the output latency while a driver follows, and listing a sweep's kept jobs.
 
-    python -m benchmarks.bench_detach [--repeats 40] [--lines 100000]
+    python -m benchmarks.bench_detach [--repeats 40] [--lines 100000] [--kept 1000] [--block 10]
 
 Starts its own cluster (`ray.cluster_utils.Cluster`, one head of 40 logical CPUs: a live and
 a detached 16-rank pool side by side; its own temp dir).
@@ -70,8 +70,8 @@ class _Counter(io.TextIOBase):
         pass
 
 
-def _warm_calls(ranks: int, repeats: int) -> tuple[list[float], list[float]]:
-    """Warm no-op calls, live and detached, alternated; each one's seconds."""
+def _warm_calls(ranks: int, repeats: int, block: int) -> tuple[list[float], list[float]]:
+    """Warm no-op calls, live and detached, alternated in blocks; each one's seconds."""
     from orchestrator import distribute
 
     live = distribute(_noop, num_replicas=ranks, log_dir=False, name=f"live{ranks}")
@@ -79,25 +79,30 @@ def _warm_calls(ranks: int, repeats: int) -> tuple[list[float], list[float]]:
         _noop, num_replicas=ranks, log_dir=False, name=f"detached{ranks}", detach=True
     )
     try:
-        times = _alternated({"live": live, "detached": detached}, repeats)
+        times = _alternated({"live": live, "detached": detached}, repeats, block)
     finally:
         live.shutdown()
         detached.shutdown()
     return times["live"], times["detached"]
 
 
-def _alternated(ways: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Each way called twice to warm it, then all in turn `repeats` times: each call's
-    seconds, by way."""
+def _alternated(
+    ways: dict[str, Callable[[], object]], repeats: int, block: int = 1
+) -> dict[str, list[float]]:
+    """Each way called twice to warm it, then all in turn, `block` calls of each at a time,
+    until each made `repeats`: each call's seconds, by way. In blocks, what a call leaves
+    to do after it returns falls mostly on its own way's next call, as in a loop of calls;
+    alternated call by call, it falls on the other way's."""
     for call in ways.values():
         call()
         call()
     times: dict[str, list[float]] = {way: [] for way in ways}
-    for _ in range(repeats):
+    for _ in range(max(1, repeats // block)):
         for way, call in ways.items():
-            started = time.perf_counter()
-            call()
-            times[way].append(time.perf_counter() - started)
+            for _ in range(block):
+                started = time.perf_counter()
+                call()
+                times[way].append(time.perf_counter() - started)
     return times
 
 
@@ -184,12 +189,44 @@ def _latency(samples: int) -> list[float]:
     return sink.latencies
 
 
+def _listing(kept: int) -> dict[str, float]:
+    """`kept` finished jobs of one detached 2-rank function: how long `list_jobs` and
+    `get_job` by name take (medians of 3), and the calls' own median."""
+    from orchestrator import distribute, get_job, list_jobs
+
+    fn = distribute(_noop, num_replicas=2, log_dir=False, name="sweep", detach=True)
+    calls = []
+    real, sys.stdout = sys.stdout, io.StringIO()  # each call's line saying its id
+    try:
+        for _ in range(kept):
+            started = time.perf_counter()
+            fn()
+            calls.append(time.perf_counter() - started)
+    finally:
+        sys.stdout = real
+    listed, named = [], []
+    for _ in range(3):
+        started = time.perf_counter()
+        found = list_jobs()
+        listed.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        get_job("sweep", show=False).unfollow()
+        named.append(time.perf_counter() - started)
+    fn.shutdown()
+    assert sum(not info.is_pool for info in found) >= kept, len(found)
+    return {"call_s": statistics.median(calls), "list_s": statistics.median(listed),
+            "name_s": statistics.median(named)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--lines", type=int, default=100_000)
     parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--kept", type=int, default=1000, help="jobs kept when listing")
+    parser.add_argument("--block", type=int, default=10,
+                        help="warm calls of one way in a row (1: alternate call by call)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bd", dir="/tmp"))
     os.environ["RAY_TMPDIR"] = str(work)
@@ -204,16 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trip = _round_trip(args.repeats)
         for ranks in (4, 16):
-            live, detached = _warm_calls(ranks, args.repeats)
+            live, detached = _warm_calls(ranks, args.repeats, args.block)
             rows.append((ranks, statistics.median(live), statistics.median(detached)))
         back = _get_back(args.lines, cluster.address, work)
         latencies = _latency(args.samples)
+        listing = _listing(args.kept)
     finally:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(work, ignore_errors=True)  # Ray's files and the jobs' logs
-    print(f"\nDetached jobs: {args.repeats} paired warm calls per size; one Ray round trip "
-          f"here {trip * 1000:.2f} ms (median)")
+    print(f"\nDetached jobs: {args.repeats} warm calls per size and way, alternated "
+          f"{args.block} at a time; one Ray round trip here {trip * 1000:.2f} ms (median)")
     print(f"  {'warm no-op call':<34}{'live':>10}{'detached':>10}{'extra':>10}{'ratio':>8}  goal")
     for ranks, live_s, detached_s in rows:
         goal = "<= 1 round trip" if ranks == 4 else "<= 1.2x"
@@ -227,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  output latency while following (4 ranks, {len(latencies)} lines): "
           f"p50 {_percentile(latencies, 0.5):.1f} ms (goal <= 20), "
           f"p99 {_percentile(latencies, 0.99):.1f} ms (goal <= 100)")
+    print(f"  {args.kept:,} finished jobs kept (a sweep of 2-rank calls, "
+          f"{listing['call_s'] * 1000:.2f} ms each): list_jobs {listing['list_s']:.2f} s, "
+          f"get_job(name) {listing['name_s']:.2f} s")
     return 0
 
 
