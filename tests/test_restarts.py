@@ -263,8 +263,13 @@ def test_losing_a_node_restarts_the_job_on_the_remaining_nodes(lost_nodes):
     assert job.status().restarts == 1
     [attempt] = job.status().failed_attempts  # said as a lost node, not a bare crash
     assert "its node left the Ray cluster" in attempt, attempt
+    # One live placement group, none leaked: the same one with the lost node's bundles
+    # placed again where ranks 0-1 were healthy (they failed out of the rendezvous while
+    # ranks 2-3 had not joined yet: in place), or a new one beside the old, removed, where
+    # they were still running (in their sleep: a whole new pool).
     groups = [g for g in placement_group_table().values() if g["name"].startswith("lose-")]
-    assert sorted(g["state"] for g in groups) == ["CREATED", "REMOVED"]
+    states = sorted(g["state"] for g in groups)
+    assert states in (["CREATED"], ["CREATED", "REMOVED"]), states
     lost_nodes.restarting.shutdown()
 
 

@@ -177,7 +177,10 @@ def _named_while_running(job, busy: bool) -> None:
     text = slow[0].sentence()
     assert "rank 2 spends" in text, text
     assert ("in _spin" if busy else "(`time.sleep(extra)`)") in text, text
-    assert "its peers wait for it in torch._tensor.backward at test_straggle.py" in text, text
+    # In DDP's gradient all_reduce, in backward; on a starved machine (2 cores for this and
+    # a test beside it) the step's own all_reduce can take that place: a collective either way.
+    waits = ("in torch._tensor.backward at test_straggle.py", "in all_reduce at test_straggle.py")
+    assert any(f"its peers wait for it {place}" in text for place in waits), text
     table = job.table()
     assert table.slow is not None and "rank 2 spends" in table.slow
     row = next(r for r in table.rows if r.rank == 2)
