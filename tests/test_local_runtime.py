@@ -66,6 +66,32 @@ CRASH_ONCE = textwrap.dedent("""\
 """)
 
 
+DETACHED = textwrap.dedent("""\
+    import os, sys, time
+    from pathlib import Path
+    from orchestrator import distribute, get_job
+
+    def job(go):
+        Path(go + ".pid").write_text(str(os.getpid()))
+        while not os.path.exists(go):
+            time.sleep(0.1)
+        return os.getpid()
+
+    fn = distribute(job, num_replicas=1, detach=True, name="kept")
+    if sys.argv[1] == "submit":
+        print("JOB", fn.submit(sys.argv[2]).id, flush=True)
+        time.sleep(600)  # killed meanwhile
+    else:
+        back = get_job(sys.argv[2], show=False)
+        print("BACK", back.result(timeout=60), flush=True)
+        again = fn.submit(sys.argv[3])  # on the warm pool its killed driver left
+        print("AGAIN", again.result(timeout=60), flush=True)
+        back.release()
+        again.release()
+        fn.shutdown()
+""")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -303,7 +329,9 @@ def test_bad_input_and_nothing_to_stop(private_env: tuple[dict[str, str], Path])
 
 
 def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) -> None:
-    """--idle-timeout: with no script connected for that long, every process ends."""
+    """--idle-timeout: with no script connected for that long, every process ends; not
+    while a detached job's supervisor lives, and that job's rank, a spare, outlives its
+    SIGKILLed driver, and serves the next driver's call as a warm pool."""
     rt = Runtime(*private_env)
     started = rt.cli(
         "start", "--spares", "1", "--port", str(_free_port()), "--idle-timeout", "3", timeout=180
@@ -312,6 +340,11 @@ def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) 
     runtime_pid = int(re.search(r"\(pid (\d+)\)", started.stdout)[1])
     spares = _spare_pids(private_env[1])
     assert len(spares) == 1
+    try:
+        _detached_job_outlives_its_driver(rt, spares)
+    finally:
+        if _alive(runtime_pid):
+            os.kill(runtime_pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
     while _alive(runtime_pid) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -325,6 +358,44 @@ def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) 
     finally:
         if _alive(runtime_pid):
             os.kill(runtime_pid, signal.SIGTERM)
+
+
+def _detached_job_outlives_its_driver(rt: Runtime, spares: set[int]) -> None:
+    """A detached job on the runtime's spare: its driver SIGKILLed, the rank and the runtime
+    live on past the idle timeout; a new driver gets the result, and a call on the same
+    rank; once it releases everything, the runtime may go idle."""
+    go = rt.tmp / "go"
+    folder = rt.tmp / "scripts"
+    folder.mkdir(exist_ok=True)
+    (folder / "detached.py").write_text(DETACHED)
+    driver = [sys.executable, str(folder / "detached.py")]
+    first = subprocess.Popen([*driver, "submit", str(go)], cwd=rt.tmp, env=rt.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = first.stdout.readline()
+        assert line.startswith("JOB "), line + first.stderr.read()
+        job_id = line.split()[1]
+        deadline = time.monotonic() + 60
+        while not Path(f"{go}.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rank_pid = int(Path(f"{go}.pid").read_text())
+        assert rank_pid in spares, (rank_pid, spares)  # the case: a spare owned by no script
+    finally:
+        first.kill()
+        first.communicate()
+    runtime_pid, *_ = rt.status()
+    time.sleep(6)  # past the idle timeout (3 s), and a spare's look at its owner (1 s)
+    assert _alive(runtime_pid), "the runtime stopped under a detached job"
+    assert _alive(rank_pid), "the detached job's rank ended with its driver"
+    go.touch()
+    (rt.tmp / "go2").touch()
+    second = subprocess.run([*driver, "back", job_id, str(rt.tmp / "go2")], cwd=rt.tmp,
+                            env=rt.env, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"BACK [{rank_pid}]\n" in second.stdout, second.stdout + second.stderr
+    assert f"AGAIN [{rank_pid}]\n" in second.stdout, second.stdout + second.stderr
+    assert "using the warm ranks an earlier driver left" in second.stderr, second.stderr
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")

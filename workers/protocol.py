@@ -17,6 +17,11 @@ STATE_STREAM = "state"
 """A rank's states on STATE_STREAM while it stops at a breakpoint (job.status() shows them)."""
 
 
+SUPERVISOR_PREFIX = "supervisor-"
+"""How the name of a detached function's supervisor (an actor in the namespace
+"orchestrator") begins: the local runtime stays up while one lives."""
+
+
 def wire(value: Any) -> bytes:
     """`value` cloudpickled (a user's exception class defined in a script, say), as an
     actor returns it to the driver: between them a Ray Client server (a driver through

@@ -4,8 +4,10 @@
 actor. The broker keeps `count` Spare actors ready; a driver claims some for a
 CPU-only pool instead of starting processes that must import torch first. A
 claimed spare serves one pool and dies with it, or within a second of its
-driver's job ending (a SIGKILLed driver included). Both are detached actors:
-owned by the runtime, not by a script.
+driver's job ending (a SIGKILLed driver included); one a detached function's
+supervisor claimed, within a second of that supervisor ending, whatever becomes
+of the driver. Both are detached actors: owned by the runtime, not by a script.
+The runtime stops itself after `idle_timeout` with no driver and no supervisor.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator_workers import _compat
 from orchestrator_workers.actor import CONCURRENCY_GROUPS, RankActor
+from orchestrator_workers.protocol import SUPERVISOR_PREFIX
 
 BROKER_NAME = "local-runtime"
 NAMESPACE = "orchestrator"
 _WATCH_S = 1.0
-"""How often a claimed spare checks that its driver's job still runs."""
+"""How often a claimed spare checks that its owner (a driver's job, or a supervisor) lives."""
 _START_TIMEOUT_S = 300.0
 """A spare not ready (torch imported) within this long is killed and tried again."""
 _REFILL_QUIET_S = 3.0
@@ -62,8 +65,12 @@ class Spare(RankActor):
         """This process's pid, once torch is imported."""
         return os.getpid()
 
-    def claim(self, job_name: str, rank: int, owner_job: str, paths: list[str]) -> None:
-        """Serve `rank` of `job_name` for the Ray job `owner_job`; exit when that job ends.
+    def claim(
+        self, job_name: str, rank: int, owner_job: str, paths: list[str], owner_actor: str = ""
+    ) -> None:
+        """Serve `rank` of `job_name` for the Ray job `owner_job`; exit when that job ends,
+        or, given `owner_actor` (an actor's name in NAMESPACE: a detached function's
+        supervisor, which outlives its driver's job), when that actor is gone.
 
         `paths` go first on sys.path: what Ray gives the workers of the owner's job
         (its script's folder and working directory), so its sibling modules import.
@@ -71,14 +78,32 @@ class Spare(RankActor):
         self._label = f"{job_name} r{rank}"
         self._rank = rank
         sys.path[:0] = [path for path in paths if path not in sys.path]
-        threading.Thread(target=self._watch, args=(owner_job,), daemon=True).start()
+        owner = functools.partial(_actor_lives, owner_actor) if owner_actor else None
+        owner = owner or functools.partial(_job_runs, owner_job)
+        threading.Thread(target=self._watch, args=(owner,), daemon=True).start()
 
-    def _watch(self, owner_job: str) -> None:
+    def _watch(self, owner_lives: Any) -> None:
         while True:
             time.sleep(_WATCH_S)
-            jobs = _compat.job_states()
-            if jobs is not None and not jobs.get(owner_job, False):
+            if owner_lives() is False:
                 os._exit(0)
+
+
+def _job_runs(job_id: str) -> bool | None:
+    """Whether Ray job `job_id` (hex) still runs; None when Ray cannot tell."""
+    jobs = _compat.job_states()
+    return None if jobs is None else jobs.get(job_id, False)
+
+
+def _actor_lives(name: str) -> bool | None:
+    """Whether the actor named `name` in NAMESPACE lives; None when Ray cannot tell."""
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:  # no actor of that name: it ended, or was killed
+        return False
+    except Exception:  # noqa: BLE001 - the GCS did not answer this time
+        return None
+    return True
 
 
 _RemoteSpare = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Spare)  # type: ignore[call-overload]  # Ray's stubs omit this documented option
@@ -97,6 +122,9 @@ class ClaimRequest:
     """The driver's code_id(): spares serve only the same code and Python."""
     paths: list[str]
     """Put first on each spare's sys.path (the driver's script folder and working dir)."""
+    owner_actor: str = ""
+    """The claiming actor's name in NAMESPACE, for a detached function's supervisor: the
+    spares exit when it is gone, not with its driver's job."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +219,9 @@ class Broker:
         given = {}
         for (handle, name, pid), rank in zip(taken, ranks, strict=False):
             try:
-                done = handle.claim.remote(request.job_name, rank, request.owner_job, request.paths)
+                done = handle.claim.remote(
+                    request.job_name, rank, request.owner_job, request.paths, request.owner_actor
+                )
                 ray.get(done, timeout=30)
             except Exception:  # noqa: BLE001 - a broken spare: that rank gets a new actor
                 ray.kill(handle, no_restart=True)
@@ -246,16 +276,30 @@ class Broker:
             self._error = ""
 
     def _idle_too_long(self) -> bool:
-        """True once no driver has run for `idle_timeout` seconds."""
+        """True once no driver has run, and no detached function's supervisor lived, for
+        `idle_timeout` seconds (a supervisor's jobs outlive their drivers, and it keeps
+        their results until released)."""
         if self._idle_timeout is None:
             return False
         jobs = _compat.job_states()
         # Any live driver counts, `orchestrator local start` itself included (it waits for
         # the spares); so does not knowing.
-        if jobs is None or any(jobs.values()):
+        if jobs is None or any(jobs.values()) or _supervisors_live():
             self._idle_since = time.monotonic()
             return False
         return time.monotonic() - self._idle_since >= self._idle_timeout
+
+
+def _supervisors_live() -> bool:
+    """Whether a detached function's supervisor lives in the cluster (or Ray cannot tell)."""
+    try:
+        named = ray.util.list_named_actors(all_namespaces=True)
+    except Exception:  # noqa: BLE001 - the GCS did not answer this time
+        return True
+    return any(
+        entry["namespace"] == NAMESPACE and entry["name"].startswith(SUPERVISOR_PREFIX)
+        for entry in named
+    )
 
 
 RemoteBroker = ray.remote(num_cpus=0)(Broker)

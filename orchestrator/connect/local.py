@@ -58,16 +58,20 @@ def spares_for(
     """Claim warm spares from the broker `runtime` for these ranks: {rank: (actor, pid)}.
 
     Empty where it has none ready on the ranks' node, or cannot answer (those ranks
-    then start new actors, as anywhere else).
+    then start new actors, as anywhere else). Claimed from a named actor (a detached
+    function's supervisor), they serve for as long as it lives, not its driver's job.
     """
     code = code_id()
+    context = ray.get_runtime_context()
+    actor = context.get_actor_name() if context.get_actor_id() is not None else None
     request = ClaimRequest(
-        owner_job=ray.get_runtime_context().get_job_id(),
+        owner_job=context.get_job_id(),
         job_name=pool_name,
         pool_id=pool_id,
         ranks_by_node=ranks_by_node,
         code=code,
-        paths=_driver_paths(),
+        paths=_driver_paths(in_actor=actor is not None),
+        owner_actor=actor or "",
     )
     try:
         their_code, taken = ray.get(runtime.claim.remote(request), timeout=60)
@@ -83,11 +87,12 @@ def spares_for(
     return taken
 
 
-def _driver_paths() -> list[str]:
-    """What Ray puts on sys.path for this driver's workers: its script's folder, its cwd."""
+def _driver_paths(*, in_actor: bool = False) -> list[str]:
+    """What Ray puts on sys.path for this driver's workers: its script's folder, its cwd
+    (in an actor, its cwd only: its "script" is Ray's worker)."""
     paths = []
     script_dir = os.path.dirname(os.path.realpath(sys.argv[0])) if sys.argv and sys.argv[0] else ""
-    if script_dir and script_dir in sys.path:
+    if script_dir and script_dir in sys.path and not in_actor:
         paths.append(script_dir)
     paths.append(os.path.abspath(os.curdir))
     return paths

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from orchestrator import _ray_compat
 from orchestrator.connect import rankside
 from orchestrator.options import Options
+from orchestrator_workers.protocol import SUPERVISOR_PREFIX
 
 SUPERVISORS = "supervisors/"
 POOLS = "pools/"
@@ -62,7 +63,7 @@ class JobRecord:
 
 def supervisor_name(name: str) -> str:
     """A fresh, unique name for the supervisor of detached function `name`."""
-    return f"supervisor-{name}-{secrets.token_hex(3)}"
+    return f"{SUPERVISOR_PREFIX}{name}-{secrets.token_hex(3)}"
 
 
 def new_record(name: str, options: Options, supervisor: str) -> JobRecord:
