@@ -51,11 +51,48 @@ def get_job(id_or_name: str, address: str | None = None, *, show: bool = True) -
 
 
 def find_job(id_or_name: str) -> tuple[registry.JobRecord, Any]:
-    """The record of job `id_or_name` (a name: its newest job) and its supervisor's handle,
-    asked of every supervisor at once. SupervisorLostError where no live one keeps it and
-    the supervisor of a function of that name is gone; else ConfigError."""
-    asked, lost = {}, []
-    for actor_name, name, _ in registry.supervisors():
+    """The record of job `id_or_name` (a name: its newest job) and its supervisor's handle.
+
+    Asked first of the supervisors of the function the id or name names, then of the
+    others (a job id is its function's name and a random part), each group at once, so
+    that another function's busy supervisor does not slow this. SupervisorLostError where
+    no live one keeps it and the supervisor of a function of that name is gone; else
+    ConfigError.
+    """
+    recorded = registry.supervisors()
+    named = {id_or_name, registry.function_of(id_or_name)}
+    lost: list[tuple[str, str]] = []
+    first = [each for each in recorded if each[1] in named]
+    for group in (first, [each for each in recorded if each not in first]):
+        found = _ask_find(group, id_or_name, lost)
+        if found:
+            exact = [each for each in found if each[0].id == id_or_name]
+            return (exact or sorted(found, key=lambda each: each[0].started))[-1]
+    earlier = registry.earlier_record(id_or_name)  # a job an earlier version started
+    handle = find_supervisor(earlier.supervisor) if earlier is not None else None
+    if earlier is not None and handle is not None:
+        return earlier, handle
+    for actor_name, name in lost:
+        if name in named:
+            raise SupervisorLostError(
+                f"job {id_or_name}: no live supervisor keeps it, and {actor_name}, the "
+                f"supervisor of {name}, is gone, so the job is lost (the head node restarted, "
+                f"or it was stopped); `orchestrator stop {actor_name}` forgets it"
+            )
+    names = sorted({name for _, name, _ in recorded})
+    raise ConfigError(
+        f"no detached job {id_or_name!r} in this cluster (functions with a supervisor there: "
+        f"{', '.join(names) or 'none'}; `orchestrator jobs` lists their jobs)"
+    )
+
+
+def _ask_find(
+    supervisors: list[tuple[str, str, float]], id_or_name: str, lost: list[tuple[str, str]]
+) -> list[tuple[registry.JobRecord, Any]]:
+    """The records these supervisors keep for `id_or_name`, with their handles, asked at
+    once; those gone are added to `lost`."""
+    asked = {}
+    for actor_name, name, _ in supervisors:
         handle = find_supervisor(actor_name)
         if handle is None:
             lost.append((actor_name, name))
@@ -67,25 +104,7 @@ def find_job(id_or_name: str) -> tuple[registry.JobRecord, Any]:
             record = unwire(ray.get(ref))
             if record is not None:
                 found.append((record, asked[ref]))
-    if found:
-        exact = [each for each in found if each[0].id == id_or_name]
-        return (exact or sorted(found, key=lambda each: each[0].started))[-1]
-    earlier = registry.earlier_record(id_or_name)  # a job an earlier version started
-    handle = find_supervisor(earlier.supervisor) if earlier is not None else None
-    if earlier is not None and handle is not None:
-        return earlier, handle
-    for actor_name, name in lost:
-        if name in (id_or_name, registry.function_of(id_or_name)):
-            raise SupervisorLostError(
-                f"job {id_or_name}: no live supervisor keeps it, and {actor_name}, the "
-                f"supervisor of {name}, is gone, so the job is lost (the head node restarted, "
-                f"or it was stopped); `orchestrator stop {actor_name}` forgets it"
-            )
-    names = sorted({name for _, name, _ in registry.supervisors()})
-    raise ConfigError(
-        f"no detached job {id_or_name!r} in this cluster (functions with a supervisor there: "
-        f"{', '.join(names) or 'none'}; `orchestrator jobs` lists their jobs)"
-    )
+    return found
 
 
 def forget_lost(supervisor: str) -> bool:
