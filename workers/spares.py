@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +79,13 @@ class Spare(RankActor):
         self._label = f"{job_name} r{rank}"
         self._rank = rank
         sys.path[:0] = [path for path in paths if path not in sys.path]
-        owner = functools.partial(_actor_lives, owner_actor) if owner_actor else None
-        owner = owner or functools.partial(_job_runs, owner_job)
-        threading.Thread(target=self._watch, args=(owner,), daemon=True).start()
+        if owner_actor:
+            owner_lives = functools.partial(_actor_lives, owner_actor)
+        else:
+            owner_lives = functools.partial(_job_runs, owner_job)
+        threading.Thread(target=self._watch, args=(owner_lives,), daemon=True).start()
 
-    def _watch(self, owner_lives: Any) -> None:
+    def _watch(self, owner_lives: Callable[[], bool | None]) -> None:
         while True:
             time.sleep(_WATCH_S)
             if owner_lives() is False:

@@ -9,6 +9,7 @@ import time
 import ray
 
 from orchestrator.supervise import catalog, detached, follow
+from orchestrator_workers.protocol import SUPERVISOR_PREFIX
 
 
 def jobs(address: str | None) -> int:
@@ -74,10 +75,10 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
 def stop(job_id: str, address: str | None) -> int:
     """Stop a detached job's ranks (or release a warm pool, given its supervisor; or forget
     a lost supervisor)."""
-    if job_id.startswith("supervisor-") and catalog.release_pool(job_id, address):
+    if job_id.startswith(SUPERVISOR_PREFIX) and catalog.release_pool(job_id, address):
         print(f"{job_id} releases its warm pool (once no job of it runs)")
         return 0
-    if job_id.startswith("supervisor-") and catalog.forget_lost(job_id):
+    if job_id.startswith(SUPERVISOR_PREFIX) and catalog.forget_lost(job_id):
         print(f"{job_id} was gone with its jobs; its record is removed")
         return 0
     job = catalog.get_job(job_id, address, show=False)

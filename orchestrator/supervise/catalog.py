@@ -1,9 +1,9 @@
 """The cluster's detached jobs and warm pools, found from any process that reaches it:
 `get_job`, `list_jobs`, and what `orchestrator jobs`, `logs` and `stop` need.
 
-A job is found by asking every supervisor recorded in the cluster (`supervise.registry`)
-at once: each keeps its own jobs' records, so a listing costs one question per supervisor,
-however many jobs each keeps.
+The cluster records each supervisor (`supervise.registry`), and each supervisor keeps its
+own jobs' records: a job is found by asking the supervisors of its function, then the
+others, and a listing costs one question per supervisor, however many jobs each keeps.
 """
 
 from __future__ import annotations
@@ -154,8 +154,9 @@ LOST = "lost"
 
 
 def list_jobs(address: str | None = None) -> list[JobInfo]:
-    """Every detached job in the cluster, oldest first, with its state now; then every
-    warm pool that waits for a next call, with what it holds."""
+    """Every detached job in the cluster, oldest first, with its state now (a supervisor
+    that is gone: once, as LOST, in place of its jobs); then every warm pool that waits for
+    a next call, with what it holds."""
     connect_lasting(address)
     found, asked = [], []
     for actor_name, name, started in registry.supervisors():

@@ -1,5 +1,6 @@
 """A detached distributed function's side in the driver: its supervisor started (or a
-warm one adopted), its calls sent, and the cluster's detached jobs found again.
+warm one adopted) and its calls sent. The cluster's detached jobs are found again by
+`supervise.catalog`.
 
 `distribute(..., detach=True)` gives the function a `Detached` in place of a `Runner`: each
 call goes to the function's supervisor and comes back as a `FollowedJob`. Each supervisor

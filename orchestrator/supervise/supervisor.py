@@ -309,7 +309,8 @@ class Supervisor:
                 unused = self._submitted or now - self._started >= idle_timeout
                 self._ending = empty and unused and self._runner.pool is None
             if self._ending:
-                registry.forget_supervisor(self._actor_name)
+                with contextlib.suppress(Exception):  # else it stays, listed as lost
+                    registry.forget_supervisor(self._actor_name)
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
 
