@@ -106,7 +106,7 @@ def test_a_detached_job_outlives_its_killed_driver_and_is_got_back_whole(cluster
     wait_resources_back()
 
 
-def test_cancel_from_another_process_stops_the_ranks(cluster):
+def test_cancel_from_another_process_stops_the_ranks(cluster, capfd):
     fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
                     address=cluster.address)
     job = fn.submit(10_000, 0.1)
@@ -119,6 +119,8 @@ def test_cancel_from_another_process_stops_the_ranks(cluster):
     assert f"stopped job {job.id}" in stop.stdout
     with pytest.raises(CancelledError):
         job.result(timeout=30)
+    # The driver that follows it says why it ends, not a bare CancelledError.
+    assert f"job {job.id} was stopped elsewhere" in capfd.readouterr().err
     listed = subprocess.run(
         [sys.executable, "-m", "orchestrator", "jobs", "--address", cluster.address],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,

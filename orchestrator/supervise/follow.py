@@ -297,6 +297,8 @@ class FollowedJob(Job[R]):
             if not self._stop_requested.is_set() and _cancel_future(self):
                 self._discard()
                 self._show(CANCELLED)
+                messages.say(f"job {self.id} was stopped elsewhere (`orchestrator stop`, or "
+                             "cancel() in another process)", job=self.name)
 
     def _settle(self, value: list[R] | None, error: BaseException | None) -> None:
         self._console.flush()
