@@ -342,9 +342,10 @@ def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) 
     assert len(spares) == 1
     try:
         _detached_job_outlives_its_driver(rt, spares)
-    finally:
+    except BaseException:  # else the runtime must stop itself, as checked below
         if _alive(runtime_pid):
             os.kill(runtime_pid, signal.SIGTERM)
+        raise
     deadline = time.monotonic() + 60
     while _alive(runtime_pid) and time.monotonic() < deadline:
         time.sleep(0.5)

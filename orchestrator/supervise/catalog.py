@@ -3,7 +3,8 @@
 
 The cluster records each supervisor (`supervise.registry`), and each supervisor keeps its
 own jobs' records: a job is found by asking the supervisors of its function, then the
-others, and a listing costs one question per supervisor, however many jobs each keeps.
+others, and a listing asks each supervisor once for its jobs (and one with a warm pool,
+once more for what the pool holds), however many jobs each keeps.
 """
 
 from __future__ import annotations

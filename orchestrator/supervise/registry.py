@@ -4,8 +4,8 @@ finds them, and through them their jobs.
 One record per supervisor in Ray's internal key-value store (namespace "orchestrator"),
 under `supervisors/<actor name>`, written once when it starts; each supervisor keeps its
 own jobs' records (`JobRecord`) and answers for them (`Supervisor.find`, `.jobs`), so a
-call records nothing here and `list_jobs` asks each supervisor once, however many jobs it
-keeps. A warm pool is recorded under `pools/<key>` for a later driver that asks for the
+call records nothing here and `list_jobs` asks each supervisor once for its jobs, however
+many it keeps. A warm pool is recorded under `pools/<key>` for a later driver that asks for the
 same. Whoever holds the cluster's token may read and change these, as they may use the
 cluster.
 """
