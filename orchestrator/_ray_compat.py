@@ -19,6 +19,7 @@ import importlib
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -104,29 +105,49 @@ node agent runs minimal: Ray decides so by importing the dashboard's dependencie
 
 @contextlib.contextmanager
 def lean_head() -> Iterator[None]:
-    """While inside, a Ray head started in this process skips the `LEAN_HEAD` processes.
+    """While inside, a Ray head started in this process skips the `LEAN_HEAD` processes and
+    sees its raylet registered within 20 ms (Ray itself looks again only a second later).
 
-    Degraded: they start, as with `ray start` (~1.8 s more CPU at start, a slower shutdown).
+    Degraded: they start, as with `ray start` (~1.8 s more CPU at start, a slower shutdown),
+    and the start waits for Ray's second look (~0.4 s).
     """
     try:
-        from ray._private import utils
+        from ray._private import services, utils
         from ray._private.node import Node
 
         saved = {name: Node.__dict__[name] for name in LEAN_HEAD}
-        asks = utils.get_dashboard_dependency_error
+        asks, get_node, gcs = utils.get_dashboard_dependency_error, services.get_node, _raylet()
+        if not _has_parameters(get_node, "gcs_address", "node_id"):
+            raise AttributeError("services.get_node(gcs_address, node_id) changed")
     except (ImportError, KeyError, AttributeError) as exc:
         _fell_back("lean_head", exc)
         yield
         return
+
+    def registered_first(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + 10  # then Ray's own wait, and its errors, take over
+        try:
+            client = gcs.GcsClient(address=gcs_address)
+            while time.monotonic() < deadline and not any(
+                key.hex() == node_id and node.state == 0  # 0: ALIVE
+                for key, node in client.get_all_node_info(timeout=1).items()
+            ):
+                time.sleep(0.02)
+        except (AttributeError, TypeError) as exc:
+            _fell_back("lean_head", exc)
+        except Exception:  # noqa: BLE001, S110 - the GCS did not answer: Ray's own wait decides
+            pass
+        return get_node(gcs_address, node_id)
+
     try:
         for name in saved:
             setattr(Node, name, _not_started)
-        utils.get_dashboard_dependency_error = _no_dashboard
+        utils.get_dashboard_dependency_error, services.get_node = _no_dashboard, registered_first
         yield
     finally:
         for name, method in saved.items():
             setattr(Node, name, method)
-        utils.get_dashboard_dependency_error = asks
+        utils.get_dashboard_dependency_error, services.get_node = asks, get_node
 
 
 def _not_started(self: object, *args: object, **kwargs: object) -> None:
@@ -281,8 +302,7 @@ def untyped_storage(typed: Any) -> Any:
     untyped = getattr(typed, "_untyped_storage", None)
     if untyped is None:
         _fell_back("untyped_storage", "TypedStorage._untyped_storage is gone")
-        return typed.untyped()
-    return untyped
+    return typed.untyped() if untyped is None else untyped
 
 
 def by_value(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -306,10 +326,7 @@ KV_NAMESPACE = "orchestrator"
 
 def _kv(function: str, *args: Any) -> Any:
     """`internal_kv.<function>(*args)` in our namespace of the connected cluster's key-value
-    store; None where this process is not connected.
-
-    Degraded (None): the callers' own (see each).
-    """
+    store; None where this process is not connected. Degraded (None): see each caller."""
     try:
         from ray.experimental import internal_kv
 
@@ -323,9 +340,7 @@ def _kv(function: str, *args: Any) -> Any:
 
 def kv_get(key: str) -> bytes | None:
     """The value of `key` in the connected cluster's key-value store; None where unset.
-
-    Degraded: None (the caller works it out afresh).
-    """
+    Degraded: None (the caller works it out afresh)."""
     value = _kv("_internal_kv_get", key)
     return value if isinstance(value, bytes) else None
 
@@ -356,10 +371,8 @@ def upload_runtime_env(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
     try:
         from ray._private.runtime_env import py_modules, working_dir
 
-        modules, folder = (
-            py_modules.upload_py_modules_if_needed,
-            working_dir.upload_working_dir_if_needed,
-        )
+        modules = py_modules.upload_py_modules_if_needed
+        folder = working_dir.upload_working_dir_if_needed
         for upload in (modules, folder):
             if not _has_parameters(upload, "runtime_env", "include_gitignore", "logger"):
                 raise AttributeError(f"{upload.__name__} changed")
@@ -370,21 +383,6 @@ def upload_runtime_env(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
     quiet.setLevel(logging.WARNING)
     uploaded = modules(dict(runtime_env), include_gitignore=True, logger=quiet)
     return folder(uploaded, include_gitignore=True, logger=quiet)
-
-
-def driver_alive(job_id: str) -> bool | None:
-    """Whether the driver of Ray job `job_id` (hex) is still connected; None where this Ray
-    cannot say."""
-    try:
-        from ray._private import state
-
-        for job in state.jobs():
-            if job.get("JobID") == job_id:
-                return not job.get("IsDead", False)
-    except (ImportError, AttributeError, TypeError, KeyError) as exc:
-        _fell_back("job table", exc)
-        return None
-    return False
 
 
 def auth_headers() -> dict[str, str]:

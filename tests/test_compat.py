@@ -7,6 +7,7 @@ upgrade that breaks one is seen before users see the degraded mode.
 from __future__ import annotations
 
 import os
+import time
 import types
 from pathlib import Path
 
@@ -50,6 +51,23 @@ def test_lean_head_replaces_and_restores_the_head_s_extra_processes():
         assert isinstance(utils.get_dashboard_dependency_error(), ImportError)
     assert {name: Node.__dict__[name] for name in compat.LEAN_HEAD} == saved
     assert utils.get_dashboard_dependency_error is asks
+
+
+def test_a_lean_head_finds_its_registered_raylet_as_ray_does(cluster):
+    from ray._private import services
+
+    get_node = services.get_node
+    node_id = ray.get_runtime_context().get_node_id()
+    gcs_address = ray.get_runtime_context().gcs_address
+    with compat.lean_head():
+        assert services.get_node is not get_node
+        asked = time.monotonic()
+        found = services.get_node(gcs_address, node_id)
+        waited = time.monotonic() - asked
+    assert services.get_node is get_node
+    assert waited < 5, f"the registered node was not seen: {waited:.1f} s (10 s: not found)"
+    assert found == get_node(gcs_address, node_id) and found["node_id"] == node_id, found
+    assert "lean_head" not in compat.degraded()
 
 
 def test_auth_reload_niceness_and_upload_helpers(tmp_path: Path, monkeypatch):
