@@ -171,6 +171,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cold-runs", type=int, help="cold starts per launcher (default 3)")
     parser.add_argument("--train-reps", type=int, help="training runs per launcher (default 5)")
     parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="another checkout (a `git worktree` of an older commit) whose cold start takes "
+        "turns with this tree's and torchrun's",
+    )
+    parser.add_argument(
         "--section-timeout",
         type=float,
         default=900,
@@ -186,6 +192,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(
             f"--only: unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}"
+        )
+    tree = args.baseline_tree
+    if tree is not None and not (tree / "benchmarks" / "_cold_ours.py").is_file():
+        parser.error(
+            f"--baseline-tree={tree}: no benchmarks/_cold_ours.py there; give a checkout of "
+            "this repository, e.g. `git worktree add /tmp/old HEAD~1`"
         )
     for opt in ("cold_runs", "train_reps"):
         value = getattr(args, opt)
@@ -209,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         settings.cold_runs = args.cold_runs
     if args.train_reps:
         settings.train_reps = args.train_reps
+    if args.baseline_tree:
+        settings.baseline_tree = str(args.baseline_tree.resolve())
     run_id = uuid.uuid4().hex
     started = time.perf_counter()
     print(

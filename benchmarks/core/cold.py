@@ -91,10 +91,11 @@ def _is_spare(proc: psutil.Process, tmp: str) -> bool:
         return False
 
 
-def _cold_ours(env: dict[str, str]) -> dict[str, float]:
+def _cold_ours(env: dict[str, str], root: Path = ROOT) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         result_file = Path(out) / "result.json"
-        run = launch([PYTHON, "-m", "benchmarks._cold_ours", str(result_file)], env)
+        argv = [PYTHON, "-m", "benchmarks._cold_ours", str(result_file)]
+        run = launch(argv, env, cwd=root)
         if run.returncode:
             raise RuntimeError(f"cold start failed ({run.returncode}):\n{run.output[-3000:]}")
         data = json.loads(result_file.read_text())
@@ -114,7 +115,8 @@ def run(s: Settings) -> SectionResult:
     """Fresh `python` through distribute() vs torchrun, taking turns at going first.
 
     Ours twice: with nothing running (the embedded Ray starts and stops with the
-    script), and with `orchestrator local start` running (warm spare ranks).
+    script), and with `orchestrator local start` running (warm spare ranks). With a
+    baseline tree, its embedded start takes turns with ours and torchrun's.
     """
     runs: dict[str, list[dict[str, float]]] = {
         "local": [],
@@ -122,6 +124,9 @@ def run(s: Settings) -> SectionResult:
         "embedded": [],
         "torchrun": [],
     }
+    baseline = Path(s.baseline_tree) if s.baseline_tree else None
+    if baseline:
+        runs["baseline"] = []
     leftovers: list[str] = []
     spare_rss: list[float] = []
 
@@ -140,14 +145,16 @@ def run(s: Settings) -> SectionResult:
         }
 
     # Apart: a second Ray beside the local runtime starts 3-4 s slower (seen here).
+    turns = ["embedded", "torchrun", *(["baseline"] if baseline else [])]
     for i in range(s.cold_runs):
-        for who in ("embedded", "torchrun") if i % 2 == 0 else ("torchrun", "embedded"):
+        for who in turns[i % len(turns) :] + turns[: i % len(turns)]:
             progress(f"cold run {i + 1}/{s.cold_runs}: {who}")
             if who == "torchrun":
                 runs[who].append(run_torchrun())
                 continue
+            root = baseline if who == "baseline" and baseline else ROOT
             with fresh_ray_tmpdir() as tmp:
-                runs[who].append(_cold_ours(clean_env(tmp)))
+                runs[who].append(_cold_ours(clean_env(tmp, root), root))
                 leftovers += stop_leftovers("RAY_TMPDIR", tmp)
     with local_runtime(RANKS) as (local_env, idle):
         for i in range(s.cold_runs):
@@ -182,6 +189,8 @@ def run(s: Settings) -> SectionResult:
         "embedded": "distribute, nothing running (embedded Ray)",
         "torchrun": "torchrun --standalone, alone",
     }
+    if baseline:
+        labels["baseline"] = f"distribute, nothing running, baseline tree {baseline}"
     for who, label in labels.items():
         table.rows.append(
             [
@@ -195,7 +204,8 @@ def run(s: Settings) -> SectionResult:
             ]
         )
     ratios = {}
-    for who, theirs in (("local", "torchrun beside it"), ("embedded", "torchrun")):
+    pairs = [("local", "torchrun beside it"), ("embedded", "torchrun")]
+    for who, theirs in pairs + ([("baseline", "torchrun")] if baseline else []):
         ratios[who] = med(who, "wall") / med(theirs, "wall")
         result_ratio = med(who, "result") / med(theirs, "result")
         cpu_ratio = med(who, "cpu") / med(theirs, "cpu")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -51,6 +52,9 @@ class Settings:
     growth_calls: int = 10
     growth_layouts: tuple[tuple[int, int], ...] = ((2, 1), (4, 2), (8, 4), (16, 8))
     verbose: bool = False
+    baseline_tree: str = ""
+    """Another checkout (e.g. a `git worktree` of an older commit) whose cold start the cold
+    section alternates with this tree's; "" for none."""
 
     @classmethod
     def quick(cls) -> Settings:
@@ -202,8 +206,9 @@ def fresh_ray_tmpdir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def clean_env(ray_tmpdir: str | None = None) -> dict[str, str]:
-    """This environment without RAY_ADDRESS, with `ray_tmpdir` and the repo on PYTHONPATH.
+def clean_env(ray_tmpdir: str | None = None, root: Path = ROOT) -> dict[str, str]:
+    """This environment without RAY_ADDRESS, with `ray_tmpdir` and `root` (this repo, or a
+    baseline checkout) first on PYTHONPATH.
 
     The orchestrator's per-call log folders go under `ray_tmpdir` too (removed afterwards),
     not under the user's home.
@@ -213,10 +218,21 @@ def clean_env(ray_tmpdir: str | None = None) -> dict[str, str]:
     if ray_tmpdir:
         env["RAY_TMPDIR"] = ray_tmpdir
         env["ORCHESTRATOR_LOG_DIR"] = str(Path(ray_tmpdir) / "orchestrator-logs")
-    paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    paths = [str(root), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    if root != ROOT:
+        paths.insert(0, _workers_of(root))
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["OMP_NUM_THREADS"] = "1"  # what torchrun and distribute() pick for several ranks a node
     return env
+
+
+@functools.cache
+def _workers_of(root: Path) -> str:
+    """A private folder whose `orchestrator_workers` is `root`'s workers/: the editable
+    install maps that name to this repository's folder, which PYTHONPATH cannot shadow."""
+    shim = Path(tempfile.mkdtemp(prefix="bench-workers-"))
+    (shim / "orchestrator_workers").symlink_to(root / "workers", target_is_directory=True)
+    return str(shim)
 
 
 def machine_cpu_s() -> float:
@@ -241,14 +257,14 @@ class Launch:
     """CPU time the whole machine used meanwhile: the run's processes, their daemons, us."""
 
 
-def launch(argv: list[str], env: dict[str, str], timeout: float = 300) -> Launch:
+def launch(argv: list[str], env: dict[str, str], timeout: float = 300, cwd: Path = ROOT) -> Launch:
     """Run `argv` in its own process group, polling its peak RSS; kill the group on timeout."""
     with tempfile.TemporaryFile() as log:
         started = time.time()
         cpu0 = machine_cpu_s()
         t0 = time.perf_counter()
         proc = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         peak = 0.0
         try:
