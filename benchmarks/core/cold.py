@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import json
 import os
@@ -145,6 +146,9 @@ def run(s: Settings) -> SectionResult:
         }
 
     # Apart: a second Ray beside the local runtime starts 3-4 s slower (seen here).
+    for root in (ROOT, *([baseline] if baseline else [])):  # as pip's install would have
+        for folder in ("orchestrator", "workers", "benchmarks"):
+            compileall.compile_dir(root / folder, quiet=1)
     turns = ["embedded", "torchrun", *(["baseline"] if baseline else [])]
     for i in range(s.cold_runs):
         for who in turns[i % len(turns) :] + turns[: i % len(turns)]:
@@ -227,6 +231,8 @@ def run(s: Settings) -> SectionResult:
         f"Ray's daemons, this benchmark's polling); on {os.cpu_count()} cores no run can take "
         f"less wall time than machine CPU / {os.cpu_count()}",
         "driver peak RSS: our driver process / torchrun's launcher process (polled VmHWM)",
+        "bytecode: the trees' modules are compiled first, as a normal install has them (with "
+        "PYTHONDONTWRITEBYTECODE set, as on this machine, each run would compile ours anew)",
         f"local runtime: {RANKS} spares; each run beside it starts once they are all back "
         f"(replaced after every script, in the background); idle, each spare holds "
         f"{fmt_mb(median(spare_rss) if spare_rss else 0)} of its own memory (USS)",
