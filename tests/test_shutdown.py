@@ -50,6 +50,34 @@ def test_driver_exit_without_shutdown_leaves_nothing_behind(cluster, tmp_path):
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
 
 
+EXITS = """\
+import atexit, os, sys
+import ray
+if sys.argv[1] == "theirs":
+    ray.init(address={address!r}, log_to_driver=True)
+# Between Ray's exit hook and ours: runs after ours, before Ray's.
+atexit.register(lambda: print("after ours:", ray.is_initialized(), flush=True))
+from orchestrator import distribute
+print(distribute(os.getpid, num_replicas=2, replicas_per_node=1, address={address!r})())
+"""
+
+
+@pytest.mark.parametrize("session", ["ours", "theirs"])
+def test_a_driver_ends_its_own_ray_session_at_exit_and_leaves_the_user_s(
+    cluster, tmp_path, session
+):
+    """Ours ends at once (Ray's hook would first wait 0.5 s for log lines our sessions never
+    send); one the user began with ray.init stays for Ray's hook, which prints its lines."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS.format(address=cluster.address))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(script), session], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"after ours: {session == 'theirs'}", proc.stdout
+    wait_resources_back()
+
+
 DRIVER = """\
 import os, sys, time
 from orchestrator import distribute
