@@ -58,7 +58,8 @@ if sys.argv[1] == "theirs":
 # Between Ray's exit hook and ours: runs after ours, before Ray's.
 atexit.register(lambda: print("after ours:", ray.is_initialized(), flush=True))
 from orchestrator import distribute
-print(distribute(os.getpid, num_replicas=2, replicas_per_node=1, address={address!r})())
+if sys.argv[1] == "ours":  # joins the cluster (on theirs, the call would use their session)
+    print(distribute(os.getpid, num_replicas=2, replicas_per_node=1, address={address!r})())
 """
 
 
