@@ -328,18 +328,25 @@ def test_bad_input_and_nothing_to_stop(private_env: tuple[dict[str, str], Path])
     assert stop.returncode != 0 and "no local runtime is running" in stop.stderr, stop.stderr
 
 
+IDLE_S = 5
+"""The idle timeout of `test_an_idle_runtime_stops_itself`'s runtime."""
+
+
 def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) -> None:
     """--idle-timeout: with no script connected for that long, every process ends; not
     while a detached job's supervisor lives, and that job's rank, a spare, outlives its
     SIGKILLed driver, and serves the next driver's call as a warm pool."""
     rt = Runtime(*private_env)
+    # Long enough for the next driver to connect on a busy machine; shorter than a spare's
+    # start there (its torch import), which must not count as idle time.
     started = rt.cli(
-        "start", "--spares", "1", "--port", str(_free_port()), "--idle-timeout", "3", timeout=180
+        "start", "--spares", "1", "--port", str(_free_port()), "--idle-timeout", str(IDLE_S),
+        timeout=180,
     )
     assert started.returncode == 0, started.stdout + started.stderr
     runtime_pid = int(re.search(r"\(pid (\d+)\)", started.stdout)[1])
     spares = _spare_pids(private_env[1])
-    assert len(spares) == 1
+    assert len(spares) == 1, (spares, rt.status())
     try:
         _detached_job_outlives_its_driver(rt, spares)
     except BaseException:  # else the runtime must stop itself, as checked below
@@ -385,7 +392,7 @@ def _detached_job_outlives_its_driver(rt: Runtime, spares: set[int]) -> None:
         first.kill()
         first.communicate()
     runtime_pid, *_ = rt.status()
-    time.sleep(6)  # past the idle timeout (3 s), and a spare's look at its owner (1 s)
+    time.sleep(IDLE_S + 2)  # past the idle timeout, and a spare's look at its owner (1 s)
     assert _alive(runtime_pid), "the runtime stopped under a detached job"
     assert _alive(rank_pid), "the detached job's rank ended with its driver"
     go.touch()

@@ -250,6 +250,11 @@ class Broker:
                 quiet = time.monotonic() - self._last_claim >= _REFILL_QUIET_S
             if short and quiet:
                 self._start_one()  # one at a time: torch imports compete for cores
+                # Idle time counts from now: a spare's start (seconds of torch import) is
+                # not idleness, and the driver that waited for it may end at once. Else a
+                # runtime whose spares start slower than its idle timeout stops itself
+                # right after `orchestrator local start` returns.
+                self._idle_since = time.monotonic()
 
     def _start_one(self) -> None:
         name = f"spare-{uuid.uuid4().hex[:8]}"
