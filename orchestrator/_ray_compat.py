@@ -116,7 +116,7 @@ def lean_head() -> Iterator[None]:
         from ray._private.node import Node
 
         saved = {name: Node.__dict__[name] for name in LEAN_HEAD}
-        asks, get_node, gcs = utils.get_dashboard_dependency_error, services.get_node, _raylet()
+        asks, get_node, raylet = utils.get_dashboard_dependency_error, services.get_node, _raylet()
         if not _has_parameters(get_node, "gcs_address", "node_id"):
             raise AttributeError("services.get_node(gcs_address, node_id) changed")
     except (ImportError, KeyError, AttributeError) as exc:
@@ -127,7 +127,7 @@ def lean_head() -> Iterator[None]:
     def registered_first(gcs_address: str, node_id: str) -> Any:
         deadline = time.monotonic() + 10  # then Ray's own wait, and its errors, take over
         try:
-            client = gcs.GcsClient(address=gcs_address)
+            client = raylet.GcsClient(address=gcs_address)
             while time.monotonic() < deadline and not any(
                 key.hex() == node_id and node.state == 0  # 0: ALIVE
                 for key, node in client.get_all_node_info(timeout=1).items()

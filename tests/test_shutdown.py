@@ -32,7 +32,10 @@ def test_shutdown_releases_everything_and_a_new_call_works(cluster):
 def test_driver_exit_without_shutdown_leaves_nothing_behind(cluster, tmp_path):
     script = tmp_path / "leaky.py"
     script.write_text(textwrap.dedent(f"""\
-        import os
+        import atexit, os
+        import ray
+        # Between Ray's exit hook and ours: runs after ours, before Ray's.
+        atexit.register(lambda: print("after ours:", ray.is_initialized(), flush=True))
         from orchestrator import distribute
         fn = distribute(os.getpid, num_replicas=4, replicas_per_node=2,
                         address={cluster.address!r})
@@ -42,7 +45,11 @@ def test_driver_exit_without_shutdown_leaves_nothing_behind(cluster, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
-    pids = [int(p) for p in proc.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+    *_, printed, after = proc.stdout.strip().splitlines()
+    # It ended the session it began itself: Ray's hook would first wait 0.5 s for log
+    # lines, which a session joined with log_to_driver=False never gets.
+    assert after == "after ours: False", proc.stdout
+    pids = [int(p) for p in printed.strip("[]").split(",")]
     wait_resources_back()
     deadline = time.monotonic() + 20
     while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
@@ -50,33 +57,25 @@ def test_driver_exit_without_shutdown_leaves_nothing_behind(cluster, tmp_path):
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
 
 
-EXITS = """\
-import atexit, os, sys
+THEIRS = """\
+import atexit
 import ray
-if sys.argv[1] == "theirs":
-    ray.init(address={address!r}, log_to_driver=True)
-# Between Ray's exit hook and ours: runs after ours, before Ray's.
+ray.init(address={address!r}, log_to_driver=True)
 atexit.register(lambda: print("after ours:", ray.is_initialized(), flush=True))
-from orchestrator import distribute
-if sys.argv[1] == "ours":  # joins the cluster (on theirs, the call would use their session)
-    print(distribute(os.getpid, num_replicas=2, replicas_per_node=1, address={address!r})())
+import orchestrator.function  # registers our exit hook
 """
 
 
-@pytest.mark.parametrize("session", ["ours", "theirs"])
-def test_a_driver_ends_its_own_ray_session_at_exit_and_leaves_the_user_s(
-    cluster, tmp_path, session
-):
-    """Ours ends at once (Ray's hook would first wait 0.5 s for log lines our sessions never
-    send); one the user began with ray.init stays for Ray's hook, which prints its lines."""
-    script = tmp_path / "exits.py"
-    script.write_text(EXITS.format(address=cluster.address))
+def test_a_ray_session_the_user_began_is_left_to_ray_s_exit_hook(cluster, tmp_path):
+    """Ray's hook waits for the log lines of the user's session (log_to_driver=True) and
+    prints them; ours ends only a session it began (see the test above)."""
+    script = tmp_path / "theirs.py"
+    script.write_text(THEIRS.format(address=cluster.address))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script), session], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[-1] == f"after ours: {session == 'theirs'}", proc.stdout
-    wait_resources_back()
+    assert proc.stdout.splitlines()[-1] == "after ours: True", proc.stdout
 
 
 DRIVER = """\

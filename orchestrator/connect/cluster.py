@@ -321,10 +321,18 @@ def at_exit() -> None:
     a cluster exit 0.5 s sooner. A session the user began stays for Ray's own hook.
     """
     _ray_compat.stop_auto_init()
-    if ray.is_initialized() and (_embedded or (_joined_job is not None and not _broken)):
-        with contextlib.suppress(Exception):  # another session (the user's): Ray's hook
-            if _embedded or ray.get_runtime_context().get_job_id() == _joined_job:
-                ray.shutdown()
+    if not ray.is_initialized():
+        return
+    if _embedded or (_joined_job is not None and not _broken and _job_now() == _joined_job):
+        ray.shutdown()
+
+
+def _job_now() -> str | None:
+    """The Ray job id of this process's session now; None where Ray cannot say."""
+    try:
+        return ray.get_runtime_context().get_job_id()
+    except Exception:  # noqa: BLE001 - a broken session: Ray's own hook ends it
+        return None
 
 
 def is_embedded() -> bool:
