@@ -128,10 +128,7 @@ def lean_head() -> Iterator[None]:
         deadline = time.monotonic() + 10  # then Ray's own wait, and its errors, take over
         try:
             client = raylet.GcsClient(address=gcs_address)
-            while time.monotonic() < deadline and not any(
-                key.hex() == node_id and node.state == 0  # 0: ALIVE
-                for key, node in client.get_all_node_info(timeout=1).items()
-            ):
+            while time.monotonic() < deadline and node_id not in _alive_ids(client, 1):
                 time.sleep(0.02)
         except (AttributeError, TypeError) as exc:
             _fell_back("lean_head", exc)
@@ -181,14 +178,18 @@ def alive_nodes(address: str) -> int | None:
     Degraded: None (unknown), and callers assume a real multi-node cluster.
     """
     try:
-        raylet = _raylet()
-        found = raylet.GcsClient(address=address).get_all_node_info(timeout=5)  # `ray status`
+        return len(_alive_ids(_raylet().GcsClient(address=address), 5))  # as `ray status`
     except (ImportError, AttributeError, TypeError) as exc:
         _fell_back("alive_nodes", exc)
         return None
     except Exception:  # noqa: BLE001 - the cluster did not answer: unknown
         return None
-    return sum(1 for info in found.values() if info.state == 0)  # 0: ALIVE
+
+
+def _alive_ids(client: Any, timeout: float) -> set[str]:
+    """Hex ids of the nodes that the GCS behind Ray's GcsClient `client` says are alive."""
+    found = client.get_all_node_info(timeout=timeout)
+    return {key.hex() for key, info in found.items() if info.state == 0}  # 0: ALIVE
 
 
 def reload_auth_mode() -> bool:
