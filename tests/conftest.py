@@ -66,11 +66,24 @@ def processes() -> None:
     """This test starts processes of its own (a subprocess, a fork, Ray): the `ray` lane."""
 
 
+LONGEST_FIRST = (
+    "test_bare_nodes", "test_snapshot", "test_restarts", "test_detach", "test_local_runtime",
+    "test_stall", "test_clients", "test_failures", "test_cli", "test_straggle",
+    "test_shutdown", "test_shipping", "test_embedded", "test_user_names", "test_examples",
+    "test_jobs", "test_soak", "test_output", "test_notebook", "test_stacks",
+)  # fmt: skip
+"""The modules that take longest (their seconds in a full run's `--durations=0`, most
+first; the others follow in their own order). The two test processes take a module each
+in this order, so neither is left with a long one at the end while the other idles."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `ray` every test whose fixtures start Ray or processes."""
+    """Mark `ray` every test whose fixtures start Ray or processes; longest modules first."""
     for item in items:
         if RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: in-module order
 
 
 def _refuse(what: str, instead_of: Callable[..., object]) -> Callable[..., None]:
