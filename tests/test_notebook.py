@@ -71,7 +71,7 @@ CELLS = [
 ]
 INTERRUPTED = 8
 """The cell nbclient interrupts after INTERRUPT_AFTER_S, as the stop button would."""
-INTERRUPT_AFTER_S = 20
+INTERRUPT_AFTER_S = 12
 
 
 @pytest.fixture

@@ -12,13 +12,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from orchestrator import PlacementTimeoutError, distribute, restart
+from orchestrator import DistributedFunction, PlacementTimeoutError, distribute, restart
 from orchestrator_workers import buddies, frames, snapshot
 from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 
@@ -350,13 +351,26 @@ def test_importing_the_rank_side_api_loads_none_of_the_driver(processes):
 
 
 @pytest.fixture(scope="module")
-def never_failed(cluster) -> list[list[torch.Tensor]]:
+def snap(cluster) -> Iterator[DistributedFunction[..., dict[str, Any]]]:
+    """The module's 4-rank function, its warm pool shared by the tests that use it (each
+    call is a new job, with its own secret: a call restores nothing an earlier one saved)."""
+    fn = distribute(train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snap")
+    yield fn
+    fn.shutdown()
+
+
+@pytest.fixture
+def released(snap) -> None:
+    """The shared pool released first (this test's own pools need the whole cluster), and
+    everything it held back: nothing leaked by the tests that used it."""
+    snap.shutdown()
+    wait_resources_back()
+
+
+@pytest.fixture(scope="module")
+def never_failed(snap) -> list[list[torch.Tensor]]:
     """Each rank's weights after a run that never failed."""
-    fn = distribute(train, num_replicas=4, replicas_per_node=2, name="snap")
-    try:
-        results = fn(-1, ())
-    finally:
-        fn.shutdown()
+    results = snap(-1, ())
     assert {r["restored"] for r in results} == {None}
     return [r["weights"] for r in results]
 
@@ -375,18 +389,14 @@ def settle(monkeypatch):
 
 
 def test_a_killed_rank_resumes_at_the_snapshot_with_bit_identical_weights(
-    cluster, never_failed, settle, capfd
+    snap, never_failed, settle, capfd
 ):
-    fn = distribute(train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snap")
-    try:
-        first = fn(-1, ())  # a fresh call on the warm pool restores nothing
-        assert {r["restored"] for r in first} == {None}
-        # Each rank's DataLoader forks 2 workers after the rank's keeper listens: the
-        # children hold none of it.
-        job = fn.submit(37, (2,), "", 2)
-        results = job.result(timeout=180)
-    finally:
-        fn.shutdown()
+    first = snap(-1, ())  # a fresh call on the warm pool restores nothing
+    assert {r["restored"] for r in first} == {None}
+    # Each rank's DataLoader forks 2 workers after the rank's keeper listens: the
+    # children hold none of it.
+    job = snap.submit(37, (2,), "", 2)
+    results = job.result(timeout=180)
     assert job.status().restarts == 1
     assert [r["restored"] for r in results] == [
         (29, 30, "own"), (29, 30, "own"), (29, 30, "rank 0"), (29, 30, "own")
@@ -402,17 +412,23 @@ def test_a_killed_rank_resumes_at_the_snapshot_with_bit_identical_weights(
         "[snapshot] restored step 29 from memory: rank 2 from rank 0's copy; "
         "rank(s) 0, 1, 3 from their own" in err
     ), err
-    wait_resources_back()
 
 
-def test_two_jobs_at_once_each_restore_their_own_snapshots(cluster, settle):
+def test_a_rank_lost_with_its_buddy_restores_nothing_and_says_so(
+    snap, never_failed, settle, capfd
+):
+    results = snap(37, (0, 2))  # each the other's buddy
+    assert {r["restored"] for r in results} == {None}  # the loop starts over: its own fallback
+    _same(results, never_failed)
+    err = capfd.readouterr().err
+    assert "every copy of the snapshots of rank(s) 0, 2 is lost" in err, err
+    assert "load your own checkpoint" in err
+
+
+def test_two_jobs_at_once_each_restore_their_own_snapshots(cluster, released, settle):
     """Two 2-rank jobs of the same function run at once, each losing a rank: each restores
-    its own step from its own ranks' copies (each job has its own secret and keepers)."""
-    never = distribute(train, num_replicas=2, replicas_per_node=1, name="snapx")
-    try:
-        expected = [r["weights"] for r in never(-1, ())]
-    finally:
-        never.shutdown()
+    its own step from its own ranks' copies (each job has its own secret and keepers), and
+    both end with the same weights, each resumed from another step."""
     first = distribute(train, num_replicas=2, replicas_per_node=1, max_restarts=1, name="snapa")
     second = distribute(train, num_replicas=2, replicas_per_node=1, max_restarts=1, name="snapb")
     try:
@@ -423,13 +439,12 @@ def test_two_jobs_at_once_each_restore_their_own_snapshots(cluster, settle):
         second.shutdown()
     assert [r["restored"] for r in results[0]] == [(29, 30, "own"), (29, 30, "rank 0")]
     assert [r["restored"] for r in results[1]] == [(19, 20, "rank 1"), (19, 20, "own")]
-    _same(results[0], expected)
-    _same(results[1], expected)
+    _same(results[0], [r["weights"] for r in results[1]])
     wait_resources_back()
 
 
 def test_a_rank_killed_in_the_middle_of_a_snapshot_costs_one_interval(
-    cluster, never_failed, settle, tmp_path
+    cluster, never_failed, released, settle, tmp_path
 ):
     paused = tmp_path / "paused"
     fn = distribute(
@@ -454,23 +469,9 @@ def test_a_rank_killed_in_the_middle_of_a_snapshot_costs_one_interval(
     wait_resources_back()
 
 
-def test_a_rank_lost_with_its_buddy_restores_nothing_and_says_so(
-    cluster, never_failed, settle, capfd
+def test_a_restart_before_the_first_snapshot_has_nothing_to_restore(
+    cluster, released, settle, capfd
 ):
-    fn = distribute(train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snap")
-    try:
-        results = fn(37, (0, 2))  # each the other's buddy
-    finally:
-        fn.shutdown()
-    assert {r["restored"] for r in results} == {None}  # the loop starts over: its own fallback
-    _same(results, never_failed)
-    err = capfd.readouterr().err
-    assert "every copy of the snapshots of rank(s) 0, 2 is lost" in err, err
-    assert "load your own checkpoint" in err
-    wait_resources_back()
-
-
-def test_a_restart_before_the_first_snapshot_has_nothing_to_restore(cluster, settle, capfd):
     fn = distribute(train, num_replicas=2, replicas_per_node=1, max_restarts=1, name="snap")
     try:
         results = fn(3, (1,))
@@ -482,8 +483,9 @@ def test_a_restart_before_the_first_snapshot_has_nothing_to_restore(cluster, set
 
 
 
+@pytest.mark.usefixtures("released", "settle")
 def test_a_lost_node_s_ranks_resume_on_the_node_added_from_their_buddies_copies(
-    cluster, never_failed, settle, tmp_path, capfd
+    cluster, never_failed, tmp_path, capfd
 ):
     """Ranks 2-3's node is lost at step 37; Ray places their bundle on the node added
     first; they restore step 29 from ranks 0-1's copies, ranks 0-1 from their own, kept."""
@@ -526,7 +528,7 @@ def test_a_lost_node_s_ranks_resume_on_the_node_added_from_their_buddies_copies(
 
 
 def test_a_lost_node_with_no_node_to_take_its_place_fails_after_placement_timeout(
-    cluster, settle, tmp_path
+    cluster, released, settle, tmp_path
 ):
     held = tmp_path / "held"
     fn = distribute(
@@ -554,7 +556,7 @@ def test_a_lost_node_with_no_node_to_take_its_place_fails_after_placement_timeou
     wait_resources_back()  # the survivors, waiting in their processes, are gone too
 
 
-def test_a_detached_job_recovers_where_it_is_supervised(cluster, never_failed, capfd):
+def test_a_detached_job_recovers_where_it_is_supervised(cluster, never_failed, released, capfd):
     """The supervisor in the cluster restarts the job; the ranks restore as for a live call."""
     with distribute(
         train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snapd",
