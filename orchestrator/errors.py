@@ -45,7 +45,9 @@ CRASH = "crash"
 _SECONDARY = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|"
     r"NCCL communicator was aborted|Socket Timeout|connectFullMesh failed|"
-    r"killed because a peer failed",
+    r"killed because a peer failed|"
+    # torch's TCPStore client, whose server (in rank 0's process) is gone
+    r"Connection was likely closed",
     re.IGNORECASE,
 )
 

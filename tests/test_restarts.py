@@ -143,6 +143,47 @@ def _advance_then_join(step: str) -> tuple[float, str]:
     return total.item(), os.environ["RANK"]
 
 
+def store_host_dies(folder: str) -> tuple[str, int]:
+    """On attempt 0, rank 1 waits on the rendezvous store for a key never set, and rank 0,
+    whose process serves that store, kills itself; each rank notes its pid per attempt."""
+    import torch.distributed as dist
+
+    rank, attempt = os.environ["RANK"], os.environ["RESTART_COUNT"]
+    (Path(folder) / f"rank{rank}.{attempt}").write_text(str(os.getpid()))
+    dist.init_process_group("gloo")
+    if attempt == "0":
+        store = dist.distributed_c10d._get_default_store()
+        if rank == "0":
+            time.sleep(1.0)  # rank 1 waits in store.get by then
+            os.kill(os.getpid(), signal.SIGKILL)
+        store.get("never-set")  # "Failed to recv, got 0 bytes. Connection was likely closed"
+    dist.destroy_process_group()
+    return attempt, os.getpid()
+
+
+def test_a_rank_whose_store_connection_closed_is_not_the_root_cause_and_is_kept(
+    cluster, tmp_path, monkeypatch
+):
+    """The rendezvous store lives in rank 0's process: a peer waiting on it when rank 0
+    dies fails as a consequence (torch's words: "Connection was likely closed"). Rank 0 is
+    the root cause; the peer keeps its process for the restart."""
+    monkeypatch.setattr(restart, "SETTLE_S", 30.0)
+    with distribute(
+        store_host_dies, num_replicas=2, replicas_per_node=1, max_restarts=1, name="store"
+    ) as fn:
+        job = fn.submit(str(tmp_path))
+        results = job.result(timeout=180)
+    status = job.status()
+    assert status.restarts == 1 and [a for a, _ in results] == ["1", "1"]
+    first = status.failed_attempts[0]
+    assert first.startswith("rank 0 (local rank 0)") and "crashed" in first.split("\n")[0], first
+    pids = {name: int((tmp_path / name).read_text()) for name in ("rank0.0", "rank0.1",
+                                                                   "rank1.0", "rank1.1")}
+    assert pids["rank0.0"] != pids["rank0.1"], pids  # the dead rank: a new process
+    assert pids["rank1.0"] == pids["rank1.1"], (pids, first)  # its peer kept its own
+    wait_resources_back()
+
+
 def test_a_rank_kept_after_a_half_done_init_joins_the_next_group(cluster):
     """Found by bench_soak: a restart whose kept rank had a failed init hung for ever."""
     with distribute(_advance_then_join, num_replicas=2, replicas_per_node=1, timeout=60) as fn:
