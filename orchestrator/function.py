@@ -16,7 +16,13 @@ from typing_extensions import Unpack
 from orchestrator import runner, shipping
 from orchestrator.connect import cluster
 from orchestrator.job import Job, stop_all
-from orchestrator.options import DEFAULT_PREFIX, STALL_AFTER_S, CallOptions, Options
+from orchestrator.options import (
+    DEFAULT_PREFIX,
+    RETENTION_S,
+    STALL_AFTER_S,
+    CallOptions,
+    Options,
+)
 from orchestrator.runner import Runner
 from orchestrator.show import messages, notebook
 from orchestrator.show.logs import read_log
@@ -185,6 +191,7 @@ def distribute(
     restart_on: str = "any",
     detach: bool = False,
     idle_timeout: float = 600.0,
+    retention: float = RETENTION_S,
 ) -> DistributedFunction[P, R]:
     """Make `fn` a function that runs on `num_replicas` ranks of a torch.distributed job.
 
@@ -210,7 +217,8 @@ def distribute(
     `detach=True` supervises each call in the cluster: it runs on when this process exits
     or dies, and `orchestrator.get_job(job.id)` gets it back from any process; its warm
     ranks wait `idle_timeout` seconds for the next call, which a later driver asking for the
-    same pool (a notebook after a kernel restart) gets too.
+    same pool (a notebook after a kernel restart) gets too; each job's result and output are
+    kept `retention` seconds after it ends (7 days; math.inf: until `job.release()`).
     """
     given = {name: value for name, value in locals().items() if name != "fn"}
     options = Options.create(fn, **given)

@@ -27,6 +27,8 @@ FOLD_FROM_RANKS = 8
 """Folding is on by default when the console shows this many ranks or more."""
 DEFAULT_PREFIX = "[{name} r{rank}]"
 """Default: how each rank's output lines begin."""
+RETENTION_S = 7 * 24 * 3600.0
+"""Default: seconds a detached job's result and output are kept after it ends (7 days)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
@@ -94,6 +96,9 @@ class Options:
     idle_timeout: float = 600.0
     """Detached only: seconds its warm pool waits for the next call, from this driver or a
     later one that asks for the same pool, before it is released."""
+    retention: float = RETENTION_S
+    """Detached only: seconds each job's result and output are kept after it ends, unless
+    `job.release()` lets them go sooner (math.inf: until then)."""
 
     @property
     def job_name(self) -> str:
@@ -225,6 +230,16 @@ class Options:
             problems.append(
                 f"detach={self.detach!r}: must be True (calls outlive this process) or False"
             )
+        if not ((_is_number(self.retention) and self.retention > 0) or self.retention == math.inf):
+            problems.append(
+                f"retention={self.retention!r}: must be a number of seconds > 0, or math.inf "
+                "(kept until job.release())"
+            )
+        elif self.retention != RETENTION_S and self.detach is False:
+            problems.append(
+                f"retention={self.retention!r}: only a detached job is kept after it ends (its "
+                "result is returned to this process); give detach=True, or leave retention out"
+            )
         if self.restart_on not in ("any", "crash"):
             problems.append(
                 f"restart_on={self.restart_on!r}: must be 'any' (every failure) or 'crash' "
@@ -275,6 +290,7 @@ class CallOptions(TypedDict, total=False):
     queue: bool
     max_restarts: int
     restart_on: Literal["any", "crash"]
+    retention: float
 
 
 PER_CALL = frozenset(CallOptions.__annotations__)

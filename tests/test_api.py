@@ -99,6 +99,9 @@ def test_distribute_s_keywords_are_the_options_dataclass():
         ({"num_replicas": 2, "timeout": float("inf")}, "timeout=inf"),
         ({"num_replicas": 2, "stall_after": 0}, "stall_after=0: must be a number of seconds"),
         ({"num_replicas": 2, "on_stall": "kill"}, "on_stall='kill': must be 'report'"),
+        ({"num_replicas": 2, "detach": True, "retention": 0},
+         "retention=0: must be a number of seconds > 0, or math.inf"),
+        ({"num_replicas": 2, "retention": 60}, "retention=60: only a detached job is kept"),
         ({"num_replicas": 2, "log_dir": 123}, "log_dir=123: must be True"),
         ({"num_replicas": 2, "runtime_env": {"py_modules": ["gs://b/x.zip", "./no/such"]}},
          "runtime_env['py_modules'][1]='./no/such': no such file or folder in"),
@@ -116,6 +119,20 @@ def test_bad_arguments_name_the_value_and_what_is_valid(kwargs, fragment):
     assert fragment in str(info.value)
     assert isinstance(info.value, ValueError)
     assert time.monotonic() - started < 1
+
+
+def test_retention_is_a_detached_call_s_option():
+    """How long a detached job is kept: set for the function or per call, never for a live
+    function (whose results come back to its driver)."""
+    import math
+
+    detached = distribute(len, num_replicas=2, detach=True, retention=math.inf)
+    assert detached.options.retention == math.inf
+    assert detached.with_options(retention=60).options.retention == 60
+    with pytest.raises(ConfigError, match="retention=-1: must be a number of seconds"):
+        detached.with_options(retention=-1)
+    with pytest.raises(ConfigError, match="retention=60: only a detached job is kept"):
+        distribute(len, num_replicas=2).with_options(retention=60)
 
 
 def test_all_problems_reported_at_once():

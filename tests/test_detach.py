@@ -227,18 +227,21 @@ def test_a_refusal_is_raised_and_a_call_after_the_supervisor_ended_idle_starts_a
     cluster, capfd
 ):
     """What the supervisor refuses is raised in the driver before any rank starts. A
-    supervisor whose pool went idle and whose jobs were all released ends; the function's
-    next call starts a new one, and says so."""
+    supervisor whose pool went idle and whose jobs were all released (here: their
+    retention ran out) ends; the function's next call starts a new one, and says so."""
     never = distribute(pid, num_replicas=3, replicas_per_node=3, detach=True, idle_timeout=1,
                        address=cluster.address)
     with never, pytest.raises(PlacementError, match="GPU: 2"):
         never()
     with distribute(count, num_replicas=2, replicas_per_node=1, detach=True, idle_timeout=1,
-                    address=cluster.address) as fn:
+                    retention=1, address=cluster.address) as fn:
         assert fn(0, 0.0) == [0, 10]
-        fn._runner.last.release()
+        kept = fn._runner.last  # not released: kept for its retention, 1 s
         ended = fn._runner._supervisor_name
         wait_for(lambda: ended not in _supervisors(), 60, "the idle supervisor ended")
+        gone = re.escape("kept until job.release() or for its retention")
+        with pytest.raises(ConfigError, match=gone):
+            get_job(kept.id)
         capfd.readouterr()
         assert fn(0, 0.0) == [0, 10]
         assert "its supervisor had ended" in capfd.readouterr().err

@@ -83,7 +83,8 @@ def find_job(id_or_name: str) -> tuple[registry.JobRecord, Any]:
     names = sorted({name for _, name, _ in recorded})
     raise ConfigError(
         f"no detached job {id_or_name!r} in this cluster (functions with a supervisor there: "
-        f"{', '.join(names) or 'none'}; `orchestrator jobs` lists their jobs)"
+        f"{', '.join(names) or 'none'}; `orchestrator jobs` lists their jobs). A finished job "
+        "is kept until job.release() or for its retention (7 days unless distribute() says)"
     )
 
 

@@ -37,8 +37,6 @@ from orchestrator_workers.protocol import Payload, unwire, wire
 
 NAMESPACE = "orchestrator"
 """The Ray namespace of every supervisor, whatever the namespace of the driver that made it."""
-RETENTION_S = 7 * 24 * 3600.0
-"""How long a finished job's output and result are kept when nobody releases them."""
 JANITOR_S = 5.0
 """How often the supervisor looks for an idle pool and expired jobs."""
 FIRST_SETTLE_S = 0.01
@@ -79,6 +77,8 @@ class _Kept:
     record: registry.JobRecord
     job: Job[Any]
     journal: Journal
+    retention: float
+    """Seconds its output and result are kept once it ended (its call's `retention`)."""
     ended: float | None = None
 
     def done_at(self, now: float) -> float:
@@ -174,7 +174,7 @@ class Supervisor:
             raise
         with self._lock:  # counted or kept whenever the janitor looks
             self._submitting -= 1
-            self._jobs[job_id] = _Kept(record, job, journal)
+            self._jobs[job_id] = _Kept(record, job, journal, options.retention)
             self._submitted = True
         return job_id
 
@@ -285,8 +285,8 @@ class Supervisor:
         self._runner.shutdown()
 
     def _janitor(self) -> None:
-        """Release the pool after `idle_timeout` without a call, and jobs done `RETENTION_S`
-        ago; with nothing left to keep, end this actor."""
+        """Release the pool after `idle_timeout` without a call, and each job once it has
+        been done for its `retention`; with nothing left to keep, end this actor."""
         while True:
             time.sleep(JANITOR_S)
             now = time.monotonic()
@@ -303,7 +303,7 @@ class Supervisor:
                 registry.forget_pool(self._pool_key, self._actor_name)
             with self._lock:
                 for job_id, kept in list(self._jobs.items()):
-                    if kept.job.done() and now - kept.done_at(now) >= RETENTION_S:
+                    if kept.job.done() and now - kept.done_at(now) >= kept.retention:
                         del self._jobs[job_id]
                 empty = not self._jobs and not self._submitting
                 unused = self._submitted or now - self._started >= idle_timeout
@@ -318,7 +318,10 @@ class Supervisor:
         with self._lock:
             kept = self._jobs.get(job_id)
         if kept is None:
-            raise KeyError(f"{self.name} keeps no job {job_id!r} (released?)")
+            raise KeyError(
+                f"{self.name} keeps no job {job_id!r}: it was released (job.release(), "
+                "`orchestrator stop`, or its retention ran out)"
+            )
         return kept
 
     def _from_journal(self, job_id: str, rank: int) -> str:
