@@ -1,17 +1,20 @@
-"""A rank whose process died: what it wrote in its last instant, and why it died."""
+"""A rank whose process died: what it wrote in its last instant, and why it died (also
+while its pool started, before it had said where it runs)."""
 
 from __future__ import annotations
 
 import contextlib
 import re
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError
 
 from orchestrator.connect import cluster, rankside
-from orchestrator.errors import CRASH
+from orchestrator.errors import CRASH, DistributedError, distributed_error
+from orchestrator.show import notices
 from orchestrator_workers.protocol import NodeInfo, OutputChunk, RankFailure
 from orchestrator_workers.tail import read_tail
 
@@ -20,6 +23,10 @@ _LEFTOVER_WAIT_S = 0.5
 _READ_S = 15.0
 """How long the task that reads them may take on a node that is alive: a busy node may
 start a worker process for it first (seconds); a lost node is given up at once."""
+_PID = re.compile(r"\bpid[:=] ?(\d+)")
+_IP = re.compile(r"\bip[:=] ?([0-9A-Fa-f.:]+[0-9A-Fa-f])")
+"""Where Ray's word on a dead actor names its process and node: "pid: 12" or "pid=12"."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def last_words(info: NodeInfo, shown: int) -> list[OutputChunk]:
@@ -81,6 +88,50 @@ def failure(
         exc_type=CRASH,
         message=reason(exc, exit_code, last_words, node_gone=node_gone),
         traceback="",
+    )
+
+
+def died_starting(
+    asked: Mapping[int, ray.ObjectRef], placed: Callable[[int], tuple[str, int]]
+) -> DistributedError:
+    """The error for the ranks whose actors died while their pool started, before the
+    function ran: `asked` (rank -> what it was asked then) brought RayActorError for them;
+    `placed(rank)`: the node Ray placed it on, and its local rank there."""
+    failures = []
+    for rank, ref in asked.items():
+        if not ray.wait([ref], timeout=0)[0]:
+            continue  # alive, still answering: not one of them
+        try:
+            ray.get(ref)
+        except RayActorError as exc:
+            failures.append(_at_start(rank, *placed(rank), exc))
+    notices.quiet_crash_notices([failure.pid for failure in failures])  # said here instead
+    return distributed_error(failures)
+
+
+def _at_start(rank: int, node_id: str, local_rank: int, exc: RayActorError) -> RankFailure:
+    text = _ANSI.sub("", str(exc))
+    node: dict[str, Any] = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
+    pid, ip = _PID.search(text), _IP.search(text)
+    where = {
+        "rank": rank,
+        "local_rank": local_rank,
+        "node_ip": ip[1] if ip else node.get("NodeManagerAddress", "?"),
+        "hostname": node.get("NodeManagerHostname", "?"),
+        "pid": int(pid[1]) if pid else 0,
+        "time": time.time(),
+    }
+    if exc.actor_init_failed:  # our actor's start raised: its own traceback says where
+        raised = text.strip().rsplit("\n", 1)[-1]
+        kind, _, message = raised.partition(": ")
+        return RankFailure(
+            **where, exc_type=kind if message else CRASH, traceback=text,
+            message=f"its actor failed to start, before the function ran: {message or raised}",
+        )
+    why = reason(exc, None, "", node_gone=cluster.node_lost(node_id))
+    return RankFailure(
+        **where, exc_type=CRASH, traceback="",
+        message=f"while its pool started, before the function ran, {why}",
     )
 
 

@@ -13,15 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import _ray_compat, placement, reserve
+from orchestrator import _ray_compat, crash, placement, reserve
 from orchestrator.channel import RankChannel, rank_stacks
 from orchestrator.connect import cluster, local, rankside
 from orchestrator.errors import StopRequested, describe_rank
 from orchestrator.placement import Request
-from orchestrator.show import messages, notices
+from orchestrator.show import notices
 from orchestrator_workers import environment, handoff
 from orchestrator_workers.environment import order_devices
 from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec, RemoteNode, unwire
@@ -176,7 +177,7 @@ class Pool:
             raise
         self.channels = [RankChannel(actor) for actor in self.actors]
         self.infos = self._infos(range(len(self.actors)))
-        _note_niceness(self.name, self.infos)
+        notices.note_niceness(self.name, self.infos)
         self.store_port = self._open_store()
         self._respec()
 
@@ -213,14 +214,26 @@ class Pool:
         ).remote(*carry, self.name, rank, dict(self._env), preload_torch=self._preload_torch)
 
     def _infos(self, ranks: Iterable[int]) -> list[NodeInfo]:
-        wired = self._get([self.actors[rank].info.remote() for rank in ranks])
-        infos: list[NodeInfo] = [unwire(info) for info in wired]
+        infos: list[NodeInfo] = [unwire(info) for info in self._ask_starting("info", ranks)]
         notices.quiet_crash_notices([info.pid for info in infos])
         return infos
 
     def _open_store(self) -> int:
-        [port] = self._get([self.actors[0].open_store.remote()])
+        [port] = self._ask_starting("open_store", [0])
         return port
+
+    def _ask_starting(self, method: str, ranks: Iterable[int]) -> list[Any]:
+        """The answers of `ranks`' actors to `method` while the pool starts; a
+        DistributedError naming each one that died meanwhile, where and why."""
+        asked = {rank: getattr(self.actors[rank], method).remote() for rank in ranks}
+        try:
+            return self._get(list(asked.values()))
+        except RayActorError:
+            raise crash.died_starting(asked, self._placed) from None
+
+    def _placed(self, rank: int) -> tuple[str, int]:
+        """The node Ray placed `rank`'s actor on, and its local rank there."""
+        return self._bundle_nodes[self._bundles[rank]], self._slots[rank].local_rank
 
     def replace(self, ranks: set[int], attempt: int) -> set[int] | None:
         """Replace the actors of `ranks` in place, keeping the others (warm, torch loaded):
@@ -337,26 +350,6 @@ class Pool:
         finally:
             for actor in self.actors:
                 ray.kill(actor, no_restart=True)
-
-
-_niced_noted = threading.Event()
-
-
-def _note_niceness(name: str, infos: list[NodeInfo]) -> None:
-    """Say once per process when ranks run niced below the driver, and how to change it."""
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
-    niced = sorted({info.niceness for info in infos if info.niceness > mine})
-    if not niced or _niced_noted.is_set():
-        return
-    _niced_noted.set()
-    levels = "/".join(map(str, niced))
-    messages.warn(
-        f"the ranks run at niceness {levels} (this driver at {mine}), set by Ray's "
-        "worker_niceness on their nodes: they and their data loader workers yield the CPU "
-        "to every other process there. To run them at normal priority, start Ray on each "
-        "node with RAY_worker_niceness=0 in the environment of `ray start`.",
-        job=name,
-    )
 
 
 def _specs(

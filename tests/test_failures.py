@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+import uuid
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -156,6 +159,58 @@ def test_crashed_rank_is_reported_as_a_crash(cluster, capfd, how):
     else:
         assert "killed by a signal" in text
     assert "A worker died" not in captured.out + captured.err  # we report it, Ray need not
+    fn.shutdown()
+    wait_resources_back()
+
+
+def _uses_torch() -> str:
+    import torch  # so the ranks import torch as they start: the window below
+
+    return torch.__version__
+
+
+def _kill_first_starting_rank(mark: str, killed: list[int]) -> None:
+    """SIGKILL the first rank (its process carries `mark`) seen while its pool waits for it
+    to start (its actor answering `info` once torch is imported: a second or more)."""
+    deadline = time.monotonic() + 120
+    while not killed and time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
+                title = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"DIE_MARK={mark}".encode() in environ and title.startswith(b"ray::RankActor.info"):
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+                return
+        time.sleep(0.01)
+
+
+def test_a_rank_that_dies_while_its_pool_starts_is_named_with_where_and_why(cluster):
+    """The OOM killer during a rank's torch import, say: the call raises a DistributedError
+    naming that rank, its node and Ray's reason (not Ray's bare ActorDiedError, with our
+    code's traceback); everything is released, and the next call works."""
+    mark, killed = uuid.uuid4().hex, []
+    killer = threading.Thread(target=_kill_first_starting_rank, args=(mark, killed))
+    killer.start()
+    fn = distribute(_uses_torch, num_replicas=2, replicas_per_node=1, log_dir=False,
+                    runtime_env={"env_vars": {"DIE_MARK": mark}})
+    try:
+        with pytest.raises(DistributedError) as info:
+            fn()
+    finally:
+        killer.join()
+    root = info.value.root_cause
+    assert [root.pid] == killed and root.exc_type == "crash", (killed, str(info.value))
+    assert [f.rank for f in info.value.failures] == [root.rank]  # the other one lived
+    assert root.node_ip and root.hostname != "?", root
+    text = str(info.value)
+    assert text.startswith(f"rank {root.rank} (local rank 0) on {root.node_ip}"), text
+    assert "crashed: while its pool started, before the function ran, its process died" in text
+    assert "killed by a signal" in text
+    wait_resources_back()  # the other rank's actor and the placement went with the pool
+    assert fn() == [fn()[0]] * 2  # a new pool, then warm
     fn.shutdown()
     wait_resources_back()
 

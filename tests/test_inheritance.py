@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import distribute, pool
+from orchestrator import distribute
+from orchestrator.show import notices
 from orchestrator_workers.protocol import NodeInfo
 from tests.helpers import default_sigint
 from tests.inherit_probe import TAG, facts
@@ -131,12 +132,12 @@ def test_a_child_sigtermed_as_it_is_forked_dies(cluster):
 def test_ranks_niced_by_the_cluster_are_pointed_out_once(capfd):
     niced = os.getpriority(os.PRIO_PROCESS, 0) + 15
     info = NodeInfo("n", "10.0.0.1", "h", 1, (), None, niceness=niced)
-    pool._niced_noted.clear()
-    pool._note_niceness("train", [info, info])
-    pool._note_niceness("train", [info])
+    notices._niced_noted.clear()
+    notices.note_niceness("train", [info, info])
+    notices.note_niceness("train", [info])
     err = capfd.readouterr().err
     assert err.count("the ranks run at niceness") == 1, err
     assert "RAY_worker_niceness=0" in err
-    pool._niced_noted.clear()
-    pool._note_niceness("train", [NodeInfo("n", "10.0.0.1", "h", 1, (), None)])
+    notices._niced_noted.clear()
+    notices.note_niceness("train", [NodeInfo("n", "10.0.0.1", "h", 1, (), None)])
     assert capfd.readouterr().err == ""
