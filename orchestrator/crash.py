@@ -92,21 +92,24 @@ def failure(
 
 
 def died_starting(
-    asked: Mapping[int, ray.ObjectRef], placed: Callable[[int], tuple[str, int]]
-) -> DistributedError:
+    asked: Mapping[int, ray.ObjectRef],
+    placed: Callable[[int], tuple[str, int]],
+    exc: RayActorError,
+) -> DistributedError | RayActorError:
     """The error for the ranks whose actors died while their pool started, before the
-    function ran: `asked` (rank -> what it was asked then) brought RayActorError for them;
-    `placed(rank)`: the node Ray placed it on, and its local rank there."""
+    function ran: `asked` (rank -> what it was asked then) brought RayActorError (`exc`,
+    the first) for them; `placed(rank)`: the node Ray placed it on, and its local rank
+    there. `exc` itself where none of them can be told apart."""
     failures = []
     for rank, ref in asked.items():
         if not ray.wait([ref], timeout=0)[0]:
             continue  # alive, still answering: not one of them
         try:
             ray.get(ref)
-        except RayActorError as exc:
-            failures.append(_at_start(rank, *placed(rank), exc))
+        except RayActorError as died:
+            failures.append(_at_start(rank, *placed(rank), died))
     notices.quiet_crash_notices([failure.pid for failure in failures])  # said here instead
-    return distributed_error(failures)
+    return distributed_error(failures) if failures else exc
 
 
 def _at_start(rank: int, node_id: str, local_rank: int, exc: RayActorError) -> RankFailure:

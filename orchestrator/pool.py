@@ -228,8 +228,8 @@ class Pool:
         asked = {rank: getattr(self.actors[rank], method).remote() for rank in ranks}
         try:
             return self._get(list(asked.values()))
-        except RayActorError:
-            raise crash.died_starting(asked, self._placed) from None
+        except RayActorError as exc:
+            raise crash.died_starting(asked, self._placed, exc) from None
 
     def _placed(self, rank: int) -> tuple[str, int]:
         """The node Ray placed `rank`'s actor on, and its local rank there."""
