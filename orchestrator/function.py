@@ -107,7 +107,7 @@ class DistributedFunction(Generic[P, R]):
         """The same function and warm pool with other per-call options.
 
         Accepted: timeout, stall_after, on_stall, placement_timeout, queue, max_restarts,
-        restart_on.
+        restart_on, retention (detached only).
         """
         clone = copy.copy(self)
         clone.options = self.options.with_changes(**changes)
