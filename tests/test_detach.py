@@ -13,7 +13,7 @@ import sys
 import textwrap
 import threading
 import time
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, InvalidStateError
 
 import nbformat
 import pytest
@@ -111,6 +111,8 @@ def test_cancel_from_another_process_stops_the_ranks(cluster, capfd):
                     address=cluster.address)
     job = fn.submit(10_000, 0.1)
     wait_for(job.running, 60, "the detached job running")
+    with pytest.raises(InvalidStateError, match=f"job {job.id} is still running"):
+        job.release()  # forgets only a finished job's result and output
     stop = subprocess.run(
         [sys.executable, "-m", "orchestrator", "stop", job.id, "--address", cluster.address],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
@@ -127,6 +129,7 @@ def test_cancel_from_another_process_stops_the_ranks(cluster, capfd):
     )
     assert job.id in listed.stdout and "cancelled" in listed.stdout, listed.stdout
     job.release()
+    assert job._unfollowed.is_set()  # nothing left to follow: its exit says nothing of it
     fn.shutdown()
     wait_resources_back()
 

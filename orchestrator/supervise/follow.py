@@ -143,8 +143,14 @@ class FollowedJob(Job[R]):
         return not self.done() and self._phase in (State.STARTING, State.RUNNING)
 
     def release(self) -> None:
-        """Let the supervisor forget this finished job (its journal and result)."""
-        self._ask("release")
+        """Let the supervisor forget this finished job (its journal and result); it is no
+        longer followed here. InvalidStateError while it runs: cancel() stops it."""
+        if self._ask("release") is False:  # None: a supervisor of an earlier version
+            raise InvalidStateError(
+                f"job {self.id} is still running: release() forgets a finished job's "
+                "result and output; cancel() stops it, or release it once it is done"
+            )
+        self.unfollow()
 
     def unfollow(self, say: bool = False) -> None:
         """Stop following (and showing) the job here; it runs on. `say`: say how to get back."""

@@ -268,12 +268,15 @@ class Supervisor:
         pool = self._runner.pool
         return pool.pids() if pool is not None else []
 
-    def release(self, job_id: str) -> None:
-        """Forget a finished job: its journal and outcome (its log files stay)."""
+    def release(self, job_id: str) -> bool:
+        """Forget a finished job: its journal and outcome (its log files stay); False,
+        forgetting nothing, while it runs."""
         with self._lock:
             kept = self._jobs.get(job_id)
-            if kept is not None and kept.job.done():
-                del self._jobs[job_id]
+            if kept is not None and not kept.job.done():
+                return False
+            self._jobs.pop(job_id, None)
+            return True
 
     def release_when_idle(self) -> None:
         """Release the warm pool as soon as no job runs or waits (now, if none does)."""
