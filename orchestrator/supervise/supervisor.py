@@ -323,7 +323,7 @@ class Supervisor:
         if kept is None:
             raise KeyError(
                 f"{self.name} keeps no job {job_id!r}: it was released (job.release(), "
-                "`orchestrator stop`, or its retention ran out)"
+                "or its retention ran out)"
             )
         return kept
 
