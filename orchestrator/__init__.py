@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from orchestrator.job import Job, JobStatus, RankStatus
     from orchestrator.options import CallOptions, default_log_dir
     from orchestrator.supervise.catalog import JobInfo, get_job, list_jobs
-    from orchestrator.supervise.follow import FollowedJob, SupervisorLostError
+    from orchestrator.supervise.follow import FollowedJob
+    from orchestrator.supervise.link import SupervisorLostError
     from orchestrator_workers.protocol import RankFailure
     from orchestrator_workers.states import State
 
@@ -47,7 +48,8 @@ _WHERE = {
     "orchestrator.job": ("Job", "JobStatus", "RankStatus"),
     "orchestrator.options": ("CallOptions", "default_log_dir"),
     "orchestrator.supervise.catalog": ("JobInfo", "get_job", "list_jobs"),
-    "orchestrator.supervise.follow": ("FollowedJob", "SupervisorLostError"),
+    "orchestrator.supervise.follow": ("FollowedJob",),
+    "orchestrator.supervise.link": ("SupervisorLostError",),
     "orchestrator_workers.protocol": ("RankFailure",),
     "orchestrator_workers.states": ("State",),
 }

@@ -23,7 +23,8 @@ from orchestrator.errors import ConfigError
 from orchestrator.show import messages
 from orchestrator.supervise import registry
 from orchestrator.supervise.detached import connect_lasting, find_supervisor
-from orchestrator.supervise.follow import ASK_TIMEOUT_S, FollowedJob, SupervisorLostError
+from orchestrator.supervise.follow import FollowedJob
+from orchestrator.supervise.link import ASK_TIMEOUT_S, SupervisorLostError
 from orchestrator_workers.protocol import unwire
 
 BACKLOG_LINES = 1_000

@@ -30,12 +30,8 @@ from orchestrator.errors import BusyError, ConfigError
 from orchestrator.options import Options
 from orchestrator.show import messages
 from orchestrator.supervise import registry
-from orchestrator.supervise.follow import (
-    ASK_TIMEOUT_S,
-    PAGE_ENTRIES,
-    FollowedJob,
-    how_to_get_back,
-)
+from orchestrator.supervise.follow import PAGE_ENTRIES, FollowedJob, how_to_get_back
+from orchestrator.supervise.link import ASK_TIMEOUT_S
 from orchestrator.supervise.supervisor import (
     CONCURRENCY,
     NAMESPACE,

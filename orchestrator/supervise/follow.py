@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from collections.abc import Collection
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from orchestrator import job as jobs
 from orchestrator.connect import cluster
-from orchestrator.errors import OrchestratorError
 from orchestrator.job import CANCELLED, Job, JobStatus, RankStatus, restart_line
 from orchestrator.show import messages
 from orchestrator.show.logs import Console
 from orchestrator.show.notebook import Table
+from orchestrator.supervise.link import ASK_TIMEOUT_S, SupervisorLink, SupervisorLostError
 from orchestrator.supervise.registry import JobRecord
-from orchestrator.supervise.supervisor import NAMESPACE, Outcome, Snapshot
+from orchestrator.supervise.supervisor import Outcome, Snapshot
 from orchestrator_workers.protocol import unwire
 from orchestrator_workers.states import State
 
@@ -38,16 +37,6 @@ READ_WAIT_S = 0.25
 job's state (and shows partial lines and folds that are due)."""
 PAGE_ENTRIES = 5_000
 """Entries asked for per read."""
-RETRY_S = 1.0
-"""While the supervisor cannot be reached (the network is down), how often to try again."""
-ASK_TIMEOUT_S = 30.0
-"""How long one question to the supervisor may take before it counts as unreachable."""
-
-
-class SupervisorLostError(OrchestratorError):
-    """The supervisor of a detached job is gone (its node was lost, or it was killed)."""
-
-
 class FollowedJob(Job[R]):
     """A detached job, followed from this process: the `Job` API, answered by its supervisor.
 
@@ -77,10 +66,7 @@ class FollowedJob(Job[R]):
         self.id = record.id
         """The job's id in the cluster: its name and a short random part."""
         self.record = record
-        self._handle = handle
-        self._session = cluster.session()
-        """The Ray session `_handle` belongs to (see `cluster.rejoin`)."""
-        self._down_since: float | None = None  # since when the supervisor does not answer
+        self._link = SupervisorLink(record.id, record.name, record.supervisor, handle)
         self._snapshot: Snapshot | None = None
         self._unfollowed = threading.Event()
         self._following_lock = threading.Lock()
@@ -132,11 +118,11 @@ class FollowedJob(Job[R]):
         """Everything rank `rank` wrote during this job (so far), from the supervisor's node."""
         if not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank={rank}: job {self.id} has ranks 0-{self.num_ranks - 1}")
-        return str(self._ask("logs", rank))
+        return str(self._link.ask("logs", rank))
 
     def stacks(self) -> dict[int, str]:
         """Each rank's current stacks while the job runs ({} otherwise)."""
-        return dict(self._ask("stacks")) if not self.done() else {}
+        return dict(self._link.ask("stacks")) if not self.done() else {}
 
     def running(self) -> bool:
         """Whether the job's ranks are starting or running."""
@@ -145,7 +131,7 @@ class FollowedJob(Job[R]):
     def release(self) -> None:
         """Let the supervisor forget this finished job (its journal and result); it is no
         longer followed here. InvalidStateError while it runs: cancel() stops it."""
-        if self._ask("release") is False:  # None: a supervisor of an earlier version
+        if self._link.ask("release") is False:  # None: a supervisor of an earlier version
             raise InvalidStateError(
                 f"job {self.id} is still running: release() forgets a finished job's "
                 "result and output; cancel() stops it, or release it once it is done"
@@ -220,7 +206,7 @@ class FollowedJob(Job[R]):
             after = snapshot.position if snapshot is not None else 0
         elif backlog is not None:
             with contextlib.suppress(RayError, KeyError):
-                after = int(self._ask("newest", backlog))
+                after = int(self._link.ask("newest", backlog))
         while True:
             with self._following_lock:
                 if self._unfollowed.is_set():
@@ -228,7 +214,7 @@ class FollowedJob(Job[R]):
                     return
             try:
                 page, outcome = unwire(ray.get(
-                    self._handle.read.remote(self.id, after, PAGE_ENTRIES, READ_WAIT_S),
+                    self._link.handle.read.remote(self.id, after, PAGE_ENTRIES, READ_WAIT_S),
                     timeout=READ_WAIT_S + ASK_TIMEOUT_S,
                 ))
             except RayActorError as exc:
@@ -238,11 +224,9 @@ class FollowedJob(Job[R]):
                 self._settle(None, KeyError(f"job {self.id} was released by its supervisor"))
                 return
             except Exception as exc:  # noqa: BLE001 - unreachable, or raised again there
-                self._unreachable(exc)
+                self._link.unreachable(exc)
                 continue
-            if self._down_since is not None:
-                messages.say(f"reached the supervisor of {self.id} again", job=self.name)
-                self._down_since = None
+            self._link.reached()
             self._show_page(page)
             after = page.next
             if page.closed:  # the job ended, and this is all it wrote
@@ -265,11 +249,11 @@ class FollowedJob(Job[R]):
         """The supervisor's snapshot now (the last one when it does not answer)."""
         try:
             snapshot: Snapshot = unwire(ray.get(
-                self._handle.snapshot.remote(self.id), timeout=ASK_TIMEOUT_S
+                self._link.handle.snapshot.remote(self.id), timeout=ASK_TIMEOUT_S
             ))
         except Exception as exc:
             # Or a handle void in a new session: the next read finds the supervisor again.
-            lost = self._void(exc) or cluster.lost_session(exc)
+            lost = self._link.void(exc) or cluster.lost_session(exc)
             if not (lost or isinstance(exc, (RayError, GetTimeoutError))):
                 raise
         else:
@@ -319,62 +303,6 @@ class FollowedJob(Job[R]):
         )
         self._settle(None, lost)
 
-    def _unreachable(self, exc: BaseException) -> None:
-        """The supervisor did not answer (the network is down; or Ray Client's session was
-        lost, and a new one is tried): say so once, and wait to try again."""
-        lost = cluster.lost_session(exc) or self._void(exc)
-        answered = isinstance(exc, RayTaskError)  # the supervisor raised: no network matter
-        if answered or not (lost or isinstance(exc, (RayError, GetTimeoutError))):
-            raise exc
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            why = (
-                f"lost this driver's Ray Client session ({exc}); connecting again"
-                if lost
-                else f"cannot reach the supervisor of {self.id} ({type(exc).__name__}); "
-                "trying again"
-            )
-            messages.say(f"{why} every {RETRY_S:g} s (the job runs on)", job=self.name)
-        if not (lost and self._reconnect()):
-            time.sleep(RETRY_S)
-
-    def _void(self, exc: BaseException) -> bool:
-        """Whether `_handle` is void: another thread made a new session (Ray Client says first)."""
-        return self._session != cluster.session() or cluster.void_handle(exc)
-
-    def _reconnect(self) -> bool:
-        """After Ray Client's session was lost: a new one (see `cluster.rejoin`), and the
-        supervisor found again by name. False while the cluster cannot be reached."""
-        if not cluster.rejoin(self._session):
-            return False
-        try:
-            handle = ray.get_actor(self.record.supervisor, namespace=NAMESPACE)
-        except ValueError:  # connected, and the supervisor is gone
-            raise SupervisorLostError(
-                f"job {self.id}: its supervisor is gone (found again after this driver's Ray "
-                "Client session was lost): the node that supervised it died or the actor "
-                "was killed meanwhile"
-            ) from None
-        except ConnectionError:
-            return False
-        self._handle, self._session = handle, cluster.session()
-        return True
-
-    def _ask(self, method: str, *args: Any) -> Any:
-        """The supervisor's method `method` on this job, called with `args`; its answer."""
-        try:
-            try:
-                call = getattr(self._handle, method).remote(self.id, *args)
-                return ray.get(call, timeout=ASK_TIMEOUT_S)
-            except Exception as exc:  # Ray Client's session lost: once more, in a new one
-                if not (cluster.lost_session(exc) or self._void(exc)) or not self._reconnect():
-                    raise
-                call = getattr(self._handle, method).remote(self.id, *args)
-                return ray.get(call, timeout=ASK_TIMEOUT_S)
-        except RayActorError as exc:
-            raise SupervisorLostError(f"job {self.id}: its supervisor is gone") from exc
-
-
 def _cancel_future(job: Job[Any]) -> bool:
     """Mark `job` cancelled as a Future (its ranks were stopped elsewhere)."""
     with contextlib.suppress(InvalidStateError):
@@ -388,7 +316,7 @@ def _cancel_remote(job: Job[Any]) -> None:
     """Job.cancel's stop: the supervisor stops the job's ranks."""
     assert isinstance(job, FollowedJob)
     job.unfollow()
-    job._ask("cancel")
+    job._link.ask("cancel")
 
 
 def how_to_get_back(job_id: str) -> str:
