@@ -7,6 +7,7 @@ import it, and the rendezvous store is made only when a rank connects to it.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -58,15 +59,21 @@ def test_a_job_that_reaches_torch_unseen_still_rendezvous(cluster):
 
 
 def test_a_job_that_names_torch_loads_it_as_its_ranks_start(cluster):
-    def started_loading() -> bool:
+    """...and keeps what the import made out of the ranks' garbage collections, which
+    stay on for the user's objects."""
+
+    def started_loading() -> tuple[bool, bool, int]:
         loaded = "torch" in sys.modules  # before this function's own import below
         import torch
 
-        return loaded and torch.ones(1).item() == 1.0
+        loaded = loaded and torch.ones(1).item() == 1.0
+        return loaded, gc.isenabled(), gc.get_freeze_count()
 
     fn = distribute(started_loading, num_replicas=2, replicas_per_node=1, gpus_per_replica=0)
     try:
-        assert fn() == [True, True]
+        outcomes = fn()
+        assert [(loaded, collecting) for loaded, collecting, _ in outcomes] == [(True, True)] * 2
+        assert min(frozen for *_, frozen in outcomes) > 100_000, outcomes
     finally:
         fn.shutdown()
     wait_resources_back()
