@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import cloudpickle
 import ray
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayActorError, RayError, RuntimeEnvSetupError
 
 from orchestrator.connect import cluster, rankside
 from orchestrator.errors import CRASH, DistributedError, distributed_error
@@ -94,25 +95,28 @@ def failure(
 def died_starting(
     asked: Mapping[int, ray.ObjectRef],
     placed: Callable[[int], tuple[str, int]],
-    exc: RayActorError,
-) -> DistributedError | RayActorError:
-    """The error for the ranks whose actors died while their pool started, before the
-    function ran: `asked` (rank -> what it was asked then) brought RayActorError (`exc`,
-    the first) for them; `placed(rank)`: the node Ray placed it on, and its local rank
-    there. `exc` itself where none of them can be told apart."""
+    exc: RayActorError | RuntimeEnvSetupError,
+) -> DistributedError | RayError:
+    """The error for the ranks whose actors died, or never started, while their pool
+    started, before the function ran: `asked` (rank -> what it was asked then) brought
+    RayActorError or RuntimeEnvSetupError (`exc`, the first) for them; `placed(rank)`: the
+    node Ray placed it on, and its local rank there. `exc` itself where none of them can
+    be told apart."""
     failures = []
     for rank, ref in asked.items():
         if not ray.wait([ref], timeout=0)[0]:
             continue  # alive, still answering: not one of them
         try:
             ray.get(ref)
-        except RayActorError as died:
+        except (RayActorError, RuntimeEnvSetupError) as died:
             failures.append(_at_start(rank, *placed(rank), died))
     notices.quiet_crash_notices([failure.pid for failure in failures])  # said here instead
     return distributed_error(failures) if failures else exc
 
 
-def _at_start(rank: int, node_id: str, local_rank: int, exc: RayActorError) -> RankFailure:
+def _at_start(
+    rank: int, node_id: str, local_rank: int, exc: RayActorError | RuntimeEnvSetupError
+) -> RankFailure:
     text = _ANSI.sub("", str(exc))
     node: dict[str, Any] = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
     pid, ip = _PID.search(text), _IP.search(text)
@@ -124,6 +128,18 @@ def _at_start(rank: int, node_id: str, local_rank: int, exc: RayActorError) -> R
         "pid": int(pid[1]) if pid else 0,
         "time": time.time(),
     }
+    if isinstance(exc, RuntimeEnvSetupError):  # no process: Ray's setup failed first
+        said = [line for line in text.strip().splitlines() if line.strip()]
+        return RankFailure(
+            **{**where, "pid": 0}, exc_type=f"{RuntimeEnvSetupError.__module__}.RuntimeEnvSetupError",
+            traceback=text, exception=cloudpickle.dumps(exc),
+            message=(
+                "its runtime_env could not be set up on its node, before its process "
+                f"started: {said[-1] if said else 'Ray gave no reason'} (Ray's whole "
+                "report is below). Change runtime_env=, or leave it out; Ray logs the "
+                "setup on that node in its session's logs/runtime_env_setup-*.log"
+            ),
+        )
     if exc.actor_init_failed:  # our actor's start raised: its own traceback says where
         raised = text.strip().rsplit("\n", 1)[-1]
         kind, _, message = raised.partition(": ")

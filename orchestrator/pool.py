@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RuntimeEnvSetupError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -228,7 +228,7 @@ class Pool:
         asked = {rank: getattr(self.actors[rank], method).remote() for rank in ranks}
         try:
             return self._get(list(asked.values()))
-        except RayActorError as exc:
+        except (RayActorError, RuntimeEnvSetupError) as exc:  # one died, or never started
             raise crash.died_starting(asked, self._placed, exc) from None
 
     def _placed(self, rank: int) -> tuple[str, int]:

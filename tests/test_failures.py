@@ -12,6 +12,7 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
+from ray.exceptions import RuntimeEnvSetupError
 
 from orchestrator import DistributedError, distribute, errors
 from orchestrator.errors import is_secondary
@@ -212,6 +213,31 @@ def test_a_rank_that_dies_while_its_pool_starts_is_named_with_where_and_why(clus
     wait_resources_back()  # the other rank's actor and the placement went with the pool
     assert fn() == [fn()[0]] * 2  # a new pool, then warm
     fn.shutdown()
+    wait_resources_back()
+
+
+def test_a_runtime_env_that_cannot_be_set_up_names_the_ranks_and_ray_s_reason(cluster):
+    """Ray's RuntimeEnvSetupError came raw, naming no rank and no node: now a
+    DistributedError that is also a RuntimeEnvSetupError, naming each rank, its node, the
+    setup's own last word and what to change; everything is released."""
+    fn = distribute(os.getpid, num_replicas=2, replicas_per_node=1, log_dir=False,
+                    runtime_env={"conda": "orchestrator-no-such-env"})
+    with pytest.raises(RuntimeEnvSetupError) as info:
+        fn()
+    error = info.value
+    assert isinstance(error, DistributedError), repr(error)
+    assert sorted(f.rank for f in error.failures) == [0, 1], str(error)
+    root = error.root_cause
+    assert root.pid == 0 and root.node_ip and root.hostname != "?", root
+    first = str(error).splitlines()[0]
+    assert first.startswith(f"rank {root.rank} (local rank 0) on {root.node_ip} (host "), first
+    assert "its runtime_env could not be set up on its node, before its process started: " in first
+    assert "Change runtime_env=, or leave it out" in first
+    assert "Could not create the actor because its associated runtime env" in str(error)
+    wait_resources_back()
+    other = distribute(os.getpid, num_replicas=2, replicas_per_node=1, log_dir=False)
+    assert len(set(other())) == 2
+    other.shutdown()
     wait_resources_back()
 
 

@@ -26,8 +26,9 @@ def rank_label(ranks: Collection[int]) -> str:
 
 
 def describe_rank(rank: int, local_rank: int, node_ip: str, hostname: str, pid: int) -> str:
-    """'rank 2 (local rank 0) on 10.0.0.2 (host h, pid 123)'."""
-    return f"rank {rank} (local rank {local_rank}) on {node_ip} (host {hostname}, pid {pid})"
+    """'rank 2 (local rank 0) on 10.0.0.2 (host h, pid 123)'; no pid before it had one."""
+    process = f", pid {pid}" if pid else ""
+    return f"rank {rank} (local rank {local_rank}) on {node_ip} (host {hostname}{process})"
 
 
 def format_resources(resources: Mapping[str, float]) -> str:
