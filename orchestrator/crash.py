@@ -131,7 +131,8 @@ def _at_start(
     if isinstance(exc, RuntimeEnvSetupError):  # no process: Ray's setup failed first
         said = [line for line in text.strip().splitlines() if line.strip()]
         return RankFailure(
-            **{**where, "pid": 0}, exc_type=f"{RuntimeEnvSetupError.__module__}.RuntimeEnvSetupError",
+            **{**where, "pid": 0},
+            exc_type=f"{RuntimeEnvSetupError.__module__}.RuntimeEnvSetupError",
             traceback=text, exception=cloudpickle.dumps(exc),
             message=(
                 "its runtime_env could not be set up on its node, before its process "
