@@ -363,26 +363,27 @@ def kv_delete(key: str) -> None:
 
 
 def upload_runtime_env(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
-    """`runtime_env` with its local `py_modules` and `working_dir` uploaded to the connected
-    cluster and named by URI, as `ray.init` does for the job's (an actor's own runtime_env
-    takes URIs only). Each is uploaded once per content.
-
-    Degraded: `runtime_env` as given (Ray then refuses a local path, naming it).
-    """
+    """`runtime_env` made as `ray.init` makes the job's (an actor's takes only URIs and env
+    variables): local `py_modules`, `working_dir` uploaded once per content, the setup hook
+    (a function, or one's name) passed in the environment. Degraded: as given."""
     try:
-        from ray._private.runtime_env import py_modules, working_dir
+        from ray._private import worker
+        from ray._private.runtime_env import py_modules, setup_hook, working_dir
 
         modules = py_modules.upload_py_modules_if_needed
         folder = working_dir.upload_working_dir_if_needed
-        for upload in (modules, folder):
-            if not _has_parameters(upload, "runtime_env", "include_gitignore", "logger"):
+        hook = setup_hook.upload_worker_process_setup_hook_if_needed
+        for upload in (modules, folder, hook):
+            takes = ("worker",) if upload is hook else ("include_gitignore", "logger")
+            if not _has_parameters(upload, "runtime_env", *takes):
                 raise AttributeError(f"{upload.__name__} changed")
     except (ImportError, AttributeError) as exc:
         _fell_back("upload_runtime_env", exc)
         return dict(runtime_env)
     quiet = logging.getLogger("orchestrator.upload")  # Ray's "Creating a file package" lines
     quiet.setLevel(logging.WARNING)
-    uploaded = modules(dict(runtime_env), include_gitignore=True, logger=quiet)
+    env = {**runtime_env, "env_vars": dict(runtime_env.get("env_vars") or {})}  # a copy
+    uploaded = modules(hook(env, worker.global_worker), include_gitignore=True, logger=quiet)
     return folder(uploaded, include_gitignore=True, logger=quiet)
 
 

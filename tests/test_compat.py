@@ -14,7 +14,9 @@ from pathlib import Path
 import ray
 
 from orchestrator import _ray_compat as compat
+from orchestrator import distribute
 from orchestrator_workers import _compat as rank_compat
+from tests.helpers import wait_resources_back
 
 
 def test_the_installed_ray_is_within_the_tested_range():
@@ -130,6 +132,25 @@ def test_a_runtime_env_s_local_folders_are_uploaded_as_ray_init_does(cluster, tm
     assert compat.upload_runtime_env(given) == uploaded  # content-addressed: the same URI
     assert given["py_modules"] == [str(tmp_path / "mylib")]  # the caller's is left alone
     assert "upload_runtime_env" not in compat.degraded()
+
+
+def test_a_runtime_env_s_setup_hook_runs_in_every_rank(cluster):
+    """A function as `worker_process_setup_hook` (Ray takes it only in ray.init's
+    runtime_env: in an actor's, its json encoder raised TypeError)."""
+
+    def hook() -> None:
+        os.environ["SET_UP_BY"] = "the hook"
+
+    given = {"worker_process_setup_hook": hook, "env_vars": {"A": "1"}}
+    fn = distribute(lambda: (os.environ.get("SET_UP_BY"), os.environ.get("A")),
+                    num_replicas=2, log_dir=False, runtime_env=given)
+    try:
+        assert fn() == [("the hook", "1")] * 2
+    finally:
+        fn.shutdown()
+    assert given["env_vars"] == {"A": "1"}  # the caller's is left alone
+    assert "upload_runtime_env" not in compat.degraded()
+    wait_resources_back()
 
 
 def test_the_cluster_keeps_what_a_driver_puts(cluster):
