@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError, InvalidStateError
 
 import nbformat
@@ -30,6 +31,7 @@ from orchestrator import (
     get_job,
     list_jobs,
 )
+from orchestrator.options import Options
 from orchestrator.supervise import registry
 from orchestrator.supervise.supervisor import NAMESPACE
 from tests.helpers import ROOT, wait_for, wait_resources_back
@@ -193,6 +195,43 @@ def test_a_rank_s_error_is_raised_with_its_root_cause_as_a_live_call_s(cluster):
         assert "rank 1 has a bad batch" in job.table().cause  # the table, from the supervisor
         job.release()
     wait_resources_back(timeout=30)
+
+
+def _hook_setting(value: str) -> Callable[[], None]:
+    """A setup hook defined where its supervisor has no module of it (a script's, say)."""
+
+    def hook() -> None:
+        os.environ["SET_UP_BY"] = value
+
+    return hook
+
+
+def set_up_by() -> str | None:
+    """What this rank's setup hook set."""
+    return os.environ.get("SET_UP_BY")
+
+
+def test_a_setup_hook_defined_in_the_driver_runs_in_a_detached_function_s_ranks(cluster):
+    """The supervisor gets the options by value (it had failed to start: "Can't pickle
+    local object", or, for a script's function, "Can't get attribute 'hook' on
+    __main__")."""
+    env = {"worker_process_setup_hook": _hook_setting("the hook")}
+    with distribute(set_up_by, num_replicas=2, replicas_per_node=1, detach=True,
+                    address=cluster.address, runtime_env=env) as fn:
+        job = fn.submit()
+        assert job.result() == ["the hook"] * 2
+        job.release()
+    wait_resources_back(timeout=30)
+
+
+def test_a_warm_pool_s_key_knows_a_setup_hook_by_its_pickle_not_its_address():
+    """A later driver's equal hook (a new object) asks for the same warm pool."""
+
+    def key(value: str) -> str:
+        env = {"worker_process_setup_hook": _hook_setting(value)}
+        return registry.pool_key(Options.create(set_up_by, num_replicas=2, runtime_env=env))
+
+    assert key("a") == key("a") != key("b")
 
 
 def test_a_short_blocking_call_comes_back_with_its_submit(cluster, capfd, monkeypatch):

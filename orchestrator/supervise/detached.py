@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -207,7 +206,7 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
     ).remote(
         *carry,
         name,
-        pickle.dumps(_in_cluster(options), pickle.HIGHEST_PROTOCOL),
+        wire(_in_cluster(options)),  # by value: a setup hook defined in the script
         key,
         actor_name,
     )

@@ -22,6 +22,8 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import cloudpickle
+
 from orchestrator import _ray_compat
 from orchestrator.connect import rankside
 from orchestrator.options import Options
@@ -140,8 +142,16 @@ def pool_key(options: Options) -> str:
         "python": platform.python_version(),
         "code": rankside.both_content(),
     }
-    text = json.dumps(asked, sort_keys=True, default=repr)
+    text = json.dumps(asked, sort_keys=True, default=_as_key)
     return POOLS + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _as_key(value: object) -> str:
+    """A value json cannot write, as the same text in every driver: a function (a setup
+    hook) by its pickle, as the ranks get it, not by its address in this process."""
+    if callable(value):
+        return hashlib.sha256(cloudpickle.dumps(value)).hexdigest()
+    return repr(value)
 
 
 def pool_supervisor(key: str) -> str | None:

@@ -15,7 +15,6 @@ supervisor adds no node whose loss would end jobs that could otherwise go on.
 from __future__ import annotations
 
 import contextlib
-import pickle
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -92,11 +91,11 @@ class Supervisor:
     """Runs one detached function's calls and keeps each job's output and outcome."""
 
     def __init__(self, name: str, options: bytes, pool_key: str, actor_name: str) -> None:
-        """A supervisor of the function named `name`, laid out as `options` (pickled: they
+        """A supervisor of the function named `name`, laid out as `options` (wired: they
         are read once our code is on the path) say; its warm pool is recorded under
         `pool_key` for later drivers, with this actor's name `actor_name`."""
         self.name = name
-        self.options: Options = pickle.loads(options)  # noqa: S301 - from our own driver
+        self.options: Options = unwire(options)
         self._pool_key = pool_key
         self._actor_name = actor_name
         self._ending = False
