@@ -112,10 +112,17 @@ def shipping_job(megabytes: int) -> Callable[[], dict[str, Any]]:
     return holds_big_tensor
 
 
+def readme() -> dict[str, Any]:
+    """The README's example's training function (examples/linear_ddp.py, 10 epochs)."""
+    from examples.linear_ddp import train_loop
+
+    return {"loss": train_loop(10), "done_at": time.time()}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run one job on this torchrun rank and write its result to DIR/rank{RANK}.json."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("job", choices=["trivial", "train"])
+    parser.add_argument("job", choices=["trivial", "train", "readme"])
     parser.add_argument("--out", required=True, help="folder for rank{RANK}.json")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
@@ -124,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.job == "trivial":
         result = trivial()
+    elif args.job == "readme":
+        result = readme()
     else:
         result = train(args.steps, args.warmup, args.width, args.batch)
     rank = os.environ["RANK"]
