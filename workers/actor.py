@@ -358,10 +358,11 @@ def _import_torch() -> None:
     """Import torch.distributed ahead of need (CUDA is not initialized by the import).
 
     Before any call runs (the pool's start waits for it): without garbage collections,
-    which find no garbage in an import and cost ~15% of its CPU; then what it made is
-    kept out of every later collection (`gc.freeze`: torch's objects live as long as the
-    rank), so the user's function pays for its own objects only, and the data loader
-    workers it forks do not copy the pages that collections would touch.
+    which cost ~15% of its CPU and find little (~7,000 objects, under a megabyte, that
+    now stay); then what it made is kept out of every later collection (`gc.freeze`:
+    torch's objects live as long as the rank), so the user's function pays for its own
+    objects only, and the data loader workers it forks do not copy the pages that
+    collections would touch.
     """
     collecting = gc.isenabled()
     gc.disable()
