@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -231,6 +232,7 @@ def _workers_of(root: Path) -> str:
     """A private folder whose `orchestrator_workers` is `root`'s workers/: the editable
     install maps that name to this repository's folder, which PYTHONPATH cannot shadow."""
     shim = Path(tempfile.mkdtemp(prefix="bench-workers-"))
+    atexit.register(shutil.rmtree, shim, ignore_errors=True)  # the link only, not its target
     (shim / "orchestrator_workers").symlink_to(root / "workers", target_is_directory=True)
     return str(shim)
 
