@@ -4,7 +4,9 @@ before anything starts. No Ray."""
 from __future__ import annotations
 
 import importlib
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,20 @@ def test_distribute_s_keywords_are_the_options_dataclass():
     assert set(fields) >= PER_CALL
 
 
+def _locked_hook() -> Callable[[], None]:
+    """A setup hook that holds a lock: it cannot be pickled."""
+    lock = threading.Lock()
+
+    def hook() -> None:
+        with lock:
+            pass
+
+    return hook
+
+
+_LOCKED_HOOK = _locked_hook()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
@@ -107,6 +123,10 @@ def test_distribute_s_keywords_are_the_options_dataclass():
          "runtime_env['py_modules'][1]='./no/such': no such file or folder in"),
         ({"num_replicas": 2, "runtime_env": {"working_dir": "/no/such/dir"}},
          "runtime_env['working_dir']='/no/such/dir': no such file or folder"),
+        ({"num_replicas": 2, "runtime_env": {"worker_process_setup_hook": _LOCKED_HOOK}},
+         "cannot be pickled to reach the ranks (TypeError: cannot pickle '_thread.lock'"),
+        ({"num_replicas": 2, "runtime_env": {"worker_process_setup_hook": 3}},
+         "runtime_env['worker_process_setup_hook']=3: must be a function, or a module's"),
         # A huge count: a few divisors, found at once, in a short message.
         ({"num_replicas": 10**12, "replicas_per_node": 7},
          "valid: 1, 2, 4, 5, 8, 10, 16, ... 1000000000000 (169 in all)"),
