@@ -24,7 +24,6 @@ from nbclient import NotebookClient
 from orchestrator import (
     ConfigError,
     DistributedError,
-    JobTimeoutError,
     PlacementError,
     SupervisorLostError,
     _ray_compat,
@@ -263,21 +262,6 @@ def test_a_short_blocking_call_comes_back_with_its_submit(cluster, capfd, monkey
             in_one.append(not any(job.id in name for name in started))
             job.release()
         assert any(in_one), started
-    wait_resources_back(timeout=30)
-
-
-def test_each_call_runs_in_the_supervisor_with_its_own_per_call_options(cluster):
-    """A call's options reach the supervisor with it (sent again only where they changed):
-    with_options' timeout ends its call there; the function's next call has none."""
-    with distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
-                    address=cluster.address) as fn:
-        assert fn(0, 0.0) == [0, 10]
-        fn._runner.last.release()
-        with pytest.raises(JobTimeoutError, match="1 s"):
-            fn.with_options(timeout=1)(1, 30.0)
-        fn._runner.last.release()
-        assert fn(2, 0.75) == [0, 10]  # 1.5 s: past the clone's timeout
-        fn._runner.last.release()
     wait_resources_back(timeout=30)
 
 

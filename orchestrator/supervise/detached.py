@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -62,9 +61,6 @@ class Detached:
         self._session = 0
         """The Ray session `_handle` belongs to (see `cluster.rejoin`)."""
         self._lock = threading.Lock()
-        self._wired: tuple[Options, bytes] | None = None
-        """The last call's options, and them as its supervisor runs them, wired (a call
-        of the same function, or of its `with_options`, wires none again)."""
         self.last: FollowedJob[Any] | None = None
         self.current: FollowedJob[Any] | None = None
         self.pool = None
@@ -129,21 +125,12 @@ class Detached:
             try:
                 handle = self._supervisor()
                 record = registry.new_record(self.name, options, self._supervisor_name or "")
-                packed = pickle.dumps((record, payload, uses_torch), pickle.HIGHEST_PROTOCOL)
-                sent = handle.submit.remote(packed, self._wire(options), PAGE_ENTRIES, first_wait_s)
-                return record, handle, sent
+                packed = wire((record, payload, uses_torch, _in_cluster(options)))
+                return record, handle, handle.submit.remote(packed, PAGE_ENTRIES, first_wait_s)
             except ConnectionError as exc:  # Ray Client's session was lost: a new one, once
                 if again or not cluster.lost_session(exc) or not cluster.rejoin(self._session):
                     raise
         raise AssertionError("unreachable")
-
-    def _wire(self, options: Options) -> bytes:
-        """`options` as the supervisor runs a call with them, wired (by value: a hook or an
-        `on_stall` defined in the script); the last call's again where they are equal."""
-        wired = self._wired
-        if wired is None or wired[0] != options:
-            wired = self._wired = (options, wire(_in_cluster(options)))
-        return wired[1]
 
     def shutdown(self) -> None:
         """Stop following this function's jobs here, and let its supervisor release its

@@ -12,7 +12,6 @@ cluster.
 
 from __future__ import annotations
 
-import functools
 import getpass
 import hashlib
 import json
@@ -77,16 +76,10 @@ def new_record(name: str, options: Options, supervisor: str) -> JobRecord:
         supervisor=supervisor,
         ranks=options.num_replicas,
         started=time.time(),
-        user=submitter(),
+        user=f"{getpass.getuser()}@{socket.gethostname()}",
         code=rankside.both_content(),
         console=ConsoleOptions(options.log_prefix, options.log_ranks, options.fold_output),
     )
-
-
-@functools.cache
-def submitter() -> str:
-    """Who submits from this process, and from where: "alice@laptop" (asked once)."""
-    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 def keep_supervisor(actor_name: str, name: str) -> None:

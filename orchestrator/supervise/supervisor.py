@@ -15,7 +15,6 @@ supervisor adds no node whose loss would end jobs that could otherwise go on.
 from __future__ import annotations
 
 import contextlib
-import pickle
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -109,8 +108,6 @@ class Supervisor:
         self._submitted = False
         self._submitting = 0
         """Calls being queued now (the janitor does not end this actor under them)."""
-        self._options: tuple[bytes, Options] | None = None
-        """The last call's options, wired and not (see `_unwire`)."""
         threading.Thread(target=self._janitor, name="janitor", daemon=True).start()
 
     def ready(self) -> bool:
@@ -143,27 +140,17 @@ class Supervisor:
             "idle_timeout": self.options.idle_timeout,
         }
 
-    def submit(self, packed: bytes, options: bytes, limit: int, wait_s: float) -> bytes:
-        """Queue one call, packed by the driver: (record, payload, uses_torch), pickled,
-        run with `options`, wired (see `protocol.wire`); its job is kept, with `record`,
-        until released. Then
+    def submit(self, packed: bytes, limit: int, wait_s: float) -> bytes:
+        """Queue one call, packed by the driver: (record, payload, uses_torch, options),
+        wired (see `protocol.wire`); its job is kept, with `record`, until released. Then
         the job's first `read` (after position 0, up to `limit` entries, waiting up to
         `wait_s`), so that a call that ends within `wait_s` costs its driver one Ray call:
         (None, Page, Outcome or None), or (the error that refused it, None, None), wired."""
         try:
-            record, payload, uses_torch = pickle.loads(packed)  # noqa: S301 - our driver's
-            job_id = self._submit(record, payload, uses_torch, self._unwire(options))
+            job_id = self._submit(*unwire(packed))
         except Exception as exc:  # noqa: BLE001 - raised in the driver
             return wire((exc, None, None))
         return wire((None, *self._read(job_id, 0, limit, wait_s, FIRST_SETTLE_S)))
-
-    def _unwire(self, options: bytes) -> Options:
-        """A call's options, wired; the last call's again where they are the same bytes (a
-        loop of calls of one function)."""
-        last = self._options
-        if last is None or last[0] != options:
-            last = self._options = (options, unwire(options))
-        return last[1]
 
     def _submit(
         self, record: registry.JobRecord, payload: Payload, uses_torch: bool, options: Options
