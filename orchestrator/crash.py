@@ -141,6 +141,18 @@ def _at_start(
                 "setup on that node in its session's logs/runtime_env_setup-*.log"
             ),
         )
+    hook = _hook_failed(text)
+    if hook is not None:  # Ray ended the process: the setup hook it ran first raised
+        report, raised = hook
+        kind, _, message = raised.partition(": ")
+        return RankFailure(
+            **where, exc_type=kind if message else CRASH, traceback=report,
+            message=(
+                "its runtime_env's worker_process_setup_hook failed as its process started, "
+                f"before the function ran: {message or raised}. Fix the hook, or leave it "
+                "out of runtime_env="
+            ),
+        )
     if exc.actor_init_failed:  # our actor's start raised: its own traceback says where
         raised = text.strip().rsplit("\n", 1)[-1]
         kind, _, message = raised.partition(": ")
@@ -153,6 +165,18 @@ def _at_start(
         **where, exc_type=CRASH, traceback="",
         message=f"while its pool started, before the function ran, {why}",
     )
+
+
+def _hook_failed(text: str) -> tuple[str, str] | None:
+    """Where Ray says a rank's process ended because its setup hook failed (raised, or
+    could not be loaded): its report (the hook's traceback), and the line that says what
+    was raised."""
+    said = re.search(r"Worker exit detail: (Failed to \w+ the setup hook.*?)(?:\n\n|$)",
+                     text, re.S)
+    if said is None:
+        return None
+    lines = [line for line in said.group(1).strip().splitlines() if line.strip()]
+    return said.group(1).strip(), lines[-1].strip()
 
 
 def reason(

@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError, RuntimeEnvSetupError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import _ray_compat, crash, placement, reserve
+from orchestrator import _ray_compat, crash, placement, reserve, shipping
 from orchestrator.channel import RankChannel, rank_stacks
 from orchestrator.connect import cluster, local, rankside
 from orchestrator.errors import StopRequested, describe_rank
@@ -158,7 +158,8 @@ class Pool:
         self._slots = placement.layout(request.num_replicas, request.replicas_per_node)
         self._bundles = [bundles[slot.node_rank] for slot in self._slots]
         # Local folders in it are uploaded as ray.init uploads the job's (an actor takes URIs).
-        uploaded = _ray_compat.upload_runtime_env(runtime_env) if runtime_env else None
+        with shipping.hook_by_value(runtime_env):  # from the script's folder too
+            uploaded = _ray_compat.upload_runtime_env(runtime_env) if runtime_env else None
         self._env, self._runtime_env, self._post_mortem = env, uploaded, post_mortem
         runtime = local.broker()
         # On the local runtime ranks run in the script's folder, as on the embedded instance.

@@ -15,7 +15,7 @@ import sysconfig
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import ray
 from orchestrator import _ray_compat
 from orchestrator.connect import cluster, rankside
 from orchestrator.errors import ConfigError
+from orchestrator.options import SETUP_HOOK
 from orchestrator_workers import sharing
 from orchestrator_workers.protocol import Payload
 from orchestrator_workers.script import Script
@@ -301,6 +302,30 @@ def _register_local_modules() -> None:
             cloudpickle.register_pickle_by_value(module)
             _registered.add(name)
     _seen_modules = len(sys.modules)
+
+
+@contextlib.contextmanager
+def hook_by_value(runtime_env: Mapping[str, Any] | None) -> Iterator[None]:
+    """While Ray exports `runtime_env`'s setup hook (a function): the user's own modules
+    go by value in Ray's pickler, as a call's function goes in ours. By name, a hook from
+    the script's folder could not be loaded where that folder is not (Ray said "Failed to
+    deserialize the setup hook method")."""
+    pickler = getattr(ray, "cloudpickle", None)
+    register = getattr(pickler, "register_pickle_by_value", None)
+    if not callable((runtime_env or {}).get(SETUP_HOOK)) or register is None:
+        yield
+        return
+    before = set(pickler.list_registry_pickle_by_value())  # type: ignore[union-attr]
+    added = []
+    for name, module in list(sys.modules.items()):
+        if name not in before and isinstance(module, types.ModuleType) and is_local(module):
+            register(module)
+            added.append(module)
+    try:
+        yield
+    finally:
+        for module in added:
+            pickler.unregister_pickle_by_value(module)  # type: ignore[union-attr]
 
 
 def find_unpicklable(

@@ -134,14 +134,17 @@ def test_a_runtime_env_s_local_folders_are_uploaded_as_ray_init_does(cluster, tm
     assert "upload_runtime_env" not in compat.degraded()
 
 
+def set_up_by_hook() -> None:
+    """A setup hook in a module of the user's own folder (here, the tests')."""
+    os.environ["SET_UP_BY"] = "the hook"
+
+
 def test_a_runtime_env_s_setup_hook_runs_in_every_rank(cluster):
     """A function as `worker_process_setup_hook` (Ray takes it only in ray.init's
-    runtime_env: in an actor's, its json encoder raised TypeError)."""
-
-    def hook() -> None:
-        os.environ["SET_UP_BY"] = "the hook"
-
-    given = {"worker_process_setup_hook": hook, "env_vars": {"A": "1"}}
+    runtime_env: in an actor's, its json encoder raised TypeError), from a module the
+    ranks cannot import: it goes by value, as the call's function does (by name, Ray's
+    worker failed to load it and died)."""
+    given = {"worker_process_setup_hook": set_up_by_hook, "env_vars": {"A": "1"}}
     fn = distribute(lambda: (os.environ.get("SET_UP_BY"), os.environ.get("A")),
                     num_replicas=2, log_dir=False, runtime_env=given)
     try:

@@ -241,6 +241,29 @@ def test_a_runtime_env_that_cannot_be_set_up_names_the_ranks_and_ray_s_reason(cl
     wait_resources_back()
 
 
+def broken_hook() -> None:
+    """A setup hook that raises."""
+    raise RuntimeError("the hook broke")
+
+
+def test_a_setup_hook_that_raises_is_named_with_its_traceback(cluster):
+    """Ray ends a rank's process whose setup hook raised: that was "died without a word:
+    killed by a signal ...". Now the hook is named, with what it raised and where."""
+    fn = distribute(os.getpid, num_replicas=2, replicas_per_node=1, log_dir=False,
+                    runtime_env={"worker_process_setup_hook": broken_hook})
+    with pytest.raises(DistributedError) as info:
+        fn()
+    error = info.value
+    assert sorted(f.rank for f in error.failures) == [0, 1], str(error)
+    first = str(error).splitlines()[0]
+    assert f"rank {error.root_cause.rank} (local rank 0) on " in first, first
+    assert "raised RuntimeError: its runtime_env's worker_process_setup_hook failed as its " \
+        "process started, before the function ran: the hook broke. Fix the hook" in first
+    assert 'raise RuntimeError("the hook broke")' in str(error)  # the hook's own traceback
+    assert "without a word" not in str(error)
+    wait_resources_back()
+
+
 # --- `orchestrator run` on the session's cluster -------------------------------------------
 
 
