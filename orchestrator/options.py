@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
-import cloudpickle
 from typing_extensions import Unpack
 
 from orchestrator import placement
 from orchestrator.errors import ConfigError
+from orchestrator.runtime_env import problems as runtime_env_problems
 from orchestrator_workers import private
 
 STALL_AFTER_S = 60.0
@@ -33,9 +33,6 @@ RETENTION_S = 7 * 24 * 3600.0
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
-
-SETUP_HOOK = "worker_process_setup_hook"
-"""The runtime_env key of the function each rank's process runs as it starts."""
 
 
 def unsafe_log_dir(base: Path, why: str) -> str:
@@ -198,7 +195,7 @@ class Options:
         if self.runtime_env is not None and not isinstance(self.runtime_env, Mapping):
             problems.append(f"runtime_env={self.runtime_env!r}: must be a dict, as for ray.init")
         elif self.runtime_env is not None:
-            problems += _missing_folders(self.runtime_env) + _hook_problems(self.runtime_env)
+            problems += runtime_env_problems(self.runtime_env)
         return problems + self._log_problems() + self._call_problems()
 
     def _call_problems(self) -> list[str]:
@@ -324,39 +321,3 @@ def _is_number(value: object) -> bool:
     """A finite int or float (not a bool, nan or inf)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
-
-def _hook_problems(runtime_env: Mapping[str, Any]) -> list[str]:
-    """A `worker_process_setup_hook` that cannot reach the ranks: neither a function's
-    name nor a function that pickles (Ray's word was only "Failed to export the setup
-    function", at the pool's start)."""
-    hook = runtime_env.get(SETUP_HOOK)
-    if hook is None or isinstance(hook, str):
-        return []
-    key = f"runtime_env[{SETUP_HOOK!r}]={hook!r}"
-    by_name = "a module's function by name ('package.module.function')"
-    if not callable(hook):
-        return [f"{key}: must be a function, or {by_name}"]
-    try:
-        cloudpickle.dumps(hook)
-    except Exception as exc:  # noqa: BLE001 - whatever pickling raises is the problem
-        return [
-            f"{key}: cannot be pickled to reach the ranks ({type(exc).__name__}: {exc}); "
-            f"make such objects inside the hook, or give {by_name}"
-        ]
-    return []
-
-
-def _missing_folders(runtime_env: Mapping[str, Any]) -> list[str]:
-    """The local paths of `runtime_env` (uploaded from here: see pool) that are not here."""
-    modules = runtime_env.get("py_modules")
-    named = [("['working_dir']", runtime_env.get("working_dir"))]
-    if isinstance(modules, list | tuple):
-        named += [(f"['py_modules'][{i}]", entry) for i, entry in enumerate(modules)]
-    return [
-        f"runtime_env{key}={path!r}: no such file or folder in {os.getcwd()}; give a "
-        "folder, a .py or .whl file here, or a URI"
-        for key, path in named
-        if isinstance(path, str | os.PathLike)
-        and "://" not in str(path)
-        and not os.path.exists(path)
-    ]

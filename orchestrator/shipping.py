@@ -26,7 +26,7 @@ import ray
 from orchestrator import _ray_compat
 from orchestrator.connect import cluster, rankside
 from orchestrator.errors import ConfigError
-from orchestrator.options import SETUP_HOOK
+from orchestrator.runtime_env import SETUP_HOOK
 from orchestrator_workers import sharing
 from orchestrator_workers.protocol import Payload
 from orchestrator_workers.script import Script
