@@ -37,7 +37,8 @@ from orchestrator_workers.protocol import Payload, unwire, wire
 NAMESPACE = "orchestrator"
 """The Ray namespace of every supervisor, whatever the namespace of the driver that made it."""
 JANITOR_S = 5.0
-"""How often the supervisor looks for an idle pool and expired jobs."""
+"""How often the supervisor looks for an idle pool and expired jobs (more often where
+`idle_timeout` or a job's retention is shorter: see `_janitor_wait`)."""
 FIRST_SETTLE_S = 0.01
 """How long a submit's answer waits, once the job has output, for the job to end (a short
 call that prints then comes back in one Ray call; its first lines are shown that late)."""
@@ -290,7 +291,7 @@ class Supervisor:
         """Release the pool after `idle_timeout` without a call, and each job once it has
         been done for its `retention`; with nothing left to keep, end this actor."""
         while True:
-            time.sleep(JANITOR_S)
+            time.sleep(self._janitor_wait())
             now = time.monotonic()
             busy = self._runner.busy_with() is not None
             if busy:
@@ -315,6 +316,13 @@ class Supervisor:
                     registry.forget_supervisor(self._actor_name)
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
+
+    def _janitor_wait(self) -> float:
+        """JANITOR_S, or a quarter of the shortest time kept to (`idle_timeout`, a kept
+        job's retention) where that is shorter: a timeout of 1 s is not kept as 6."""
+        with self._lock:
+            shortest = min([self.options.idle_timeout, *(k.retention for k in self._jobs.values())])
+        return max(0.1, min(JANITOR_S, shortest / 4))
 
     def _kept(self, job_id: str) -> _Kept:
         with self._lock:
