@@ -158,8 +158,11 @@ class Pool:
         self._slots = placement.layout(request.num_replicas, request.replicas_per_node)
         self._bundles = [bundles[slot.node_rank] for slot in self._slots]
         # Local folders in it are uploaded as ray.init uploads the job's (an actor takes URIs).
-        with shipping.hook_by_value(runtime_env):  # from the script's folder too
-            uploaded = _ray_compat.upload_runtime_env(runtime_env) if runtime_env else None
+        uploaded = (
+            _ray_compat.upload_runtime_env(shipping.hook_by_value(runtime_env))
+            if runtime_env
+            else None
+        )
         self._env, self._runtime_env, self._post_mortem = env, uploaded, post_mortem
         runtime = local.broker()
         # On the local runtime ranks run in the script's folder, as on the embedded instance.

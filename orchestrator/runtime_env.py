@@ -22,9 +22,8 @@ SETUP_HOOK = "worker_process_setup_hook"
 
 def problems(runtime_env: Mapping[str, Any]) -> list[str]:
     """What is wrong with `runtime_env`, each naming the value and what would be valid."""
-    return _misspelt(runtime_env) + _env_vars(runtime_env) + _missing_folders(runtime_env) + (
-        _hook(runtime_env)
-    )
+    checks = (_misspelt, _env_vars, _missing_folders, _hook)
+    return [problem for check in checks for problem in check(runtime_env)]
 
 
 def _misspelt(runtime_env: Mapping[str, Any]) -> list[str]:

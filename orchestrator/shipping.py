@@ -304,28 +304,25 @@ def _register_local_modules() -> None:
     _seen_modules = len(sys.modules)
 
 
-@contextlib.contextmanager
-def hook_by_value(runtime_env: Mapping[str, Any] | None) -> Iterator[None]:
-    """While Ray exports `runtime_env`'s setup hook (a function): the user's own modules
-    go by value in Ray's pickler, as a call's function goes in ours. By name, a hook from
-    the script's folder could not be loaded where that folder is not (Ray said "Failed to
-    deserialize the setup hook method")."""
-    pickler = getattr(ray, "cloudpickle", None)
-    register = getattr(pickler, "register_pickle_by_value", None)
-    if not callable((runtime_env or {}).get(SETUP_HOOK)) or register is None:
-        yield
-        return
-    before = set(pickler.list_registry_pickle_by_value())  # type: ignore[union-attr]
-    added = []
-    for name, module in list(sys.modules.items()):
-        if name not in before and isinstance(module, types.ModuleType) and is_local(module):
-            register(module)
-            added.append(module)
-    try:
-        yield
-    finally:
-        for module in added:
-            pickler.unregister_pickle_by_value(module)  # type: ignore[union-attr]
+def hook_by_value(runtime_env: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`runtime_env` with its setup hook (a function) shipped as a call's function is: by
+    value where it comes from the user's own modules, with its file names and source for
+    tracebacks. Ray's pickler took it by name, and a node without the script's folder
+    could not load it ("Failed to deserialize the setup hook method")."""
+    hook = runtime_env.get(SETUP_HOOK)
+    if not callable(hook):
+        return runtime_env
+    shipped = payload(hook, (), {})
+    call, sources, buffers = shipped.call, shipped.sources, shipped.buffers
+
+    def unpickled_then_run() -> None:  # not importable by name: Ray pickles it by value
+        for name, lines in sources.items():  # as a rank does for a call's code
+            linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+        fn, _, _ = cloudpickle.loads(call, buffers=buffers)
+        fn()
+
+    unpickled_then_run.__name__ = getattr(hook, "__name__", "hook")  # Ray's messages name it
+    return {**runtime_env, SETUP_HOOK: unpickled_then_run}
 
 
 def find_unpicklable(
