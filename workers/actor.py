@@ -47,9 +47,9 @@ from orchestrator_workers.sampler import Sampler
 from orchestrator_workers.store import StoreKeeper
 from orchestrator_workers.where import read as read_where
 
-CONCURRENCY_GROUPS = {"control": 4, "node": 2}
+CONCURRENCY_GROUPS = {"control": 4, "node": 4}
 """Calls that must be answered while a call runs: output and stacks ("control"); a node's
-hand-off and its outcomes ("node")."""
+hand-off and its outcomes ("node"; two readers of a detached call's, and other nodes')."""
 
 
 class RankActor:
@@ -174,25 +174,35 @@ class RankActor:
         payload: bytes,
         peers: bytes,
         nodes: tuple[RemoteNode, ...] | None,
+        *,
+        lease: handoff.Lease = (None, None),
+        reader: str = "",
     ) -> bytes:
         """As its node's first rank: hand call `call_id` to every rank of the node (pickled
         Peers, this rank among them); as rank 0, also to every other node's first rank
-        (`nodes`; None: the same as the last call's). Return the first outcomes, pickled
-        (see `collect`)."""
+        (`nodes`; None: the same as the last call's). Return the first outcomes `reader`
+        collects, pickled (see `collect`); None, pickled, where `lease` is refused."""
         if peers != self._packed_peers:  # the same while the pool lives
             self._peers = pickle.loads(peers)  # noqa: S301 - our driver's
             self._packed_peers = peers
         if nodes is not None:
             self._nodes = nodes
-        self._hand.start(call_id, self._peers, packed_call, payload, self._nodes)
-        return pickle.dumps(self._hand.collect(call_id), pickle.HIGHEST_PROTOCOL)
+        if not self._hand.start(call_id, self._peers, packed_call, payload, self._nodes,
+                                lease=lease):
+            return pickle.dumps(None)
+        return pickle.dumps(self._hand.collect(call_id, reader), pickle.HIGHEST_PROTOCOL)
 
     @ray.method(concurrency_group="node")
-    def collect(self, call_id: bytes) -> bytes:
-        """As a node's first rank: the outcomes of call `call_id` not yet collected, the
-        ranks still running, and whether one failed, pickled; once all are done, or at
-        once after a failure."""
-        return pickle.dumps(self._hand.collect(call_id), pickle.HIGHEST_PROTOCOL)
+    def collect(self, call_id: bytes, reader: str = "") -> bytes:
+        """As a node's first rank: the outcomes of call `call_id` not yet collected by
+        `reader`, the ranks still running, and whether one failed, pickled; once all are
+        done, or at once after a failure."""
+        return pickle.dumps(self._hand.collect(call_id, reader), pickle.HIGHEST_PROTOCOL)
+
+    @ray.method(concurrency_group="control")
+    def revoke(self, token: bytes) -> tuple[bytes, bytes | None] | None:
+        """As rank 0: take back a detached job's lease (see `handoff.Hand.revoke`)."""
+        return self._hand.revoke(token)
 
     @ray.method(concurrency_group="node")
     def outcome(self, call_id: bytes) -> bytes:

@@ -29,14 +29,14 @@ import pickle
 import secrets
 import select
 import socket
-import struct
 import threading
-import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import ray
 
 from orchestrator_workers.protocol import Peer, RemoteNode
+from orchestrator_workers.sockets import KEY_BYTES, credentials, first_key, receive, send
 
 SWITCH = "ORCHESTRATOR_HANDOFF"
 """Set to 0 in the driver's environment to send every rank its own Ray task instead."""
@@ -47,16 +47,13 @@ TREE_NODES = 8
 """Below this, the extra hop through rank 0 costs a call more time than the driver's
 Ray tasks to each node: at 16 ranks on 2 nodes, 33 ms against 22 (Ray's own: 26); from
 8 nodes the driver's CPU per call is 4.9 ms through rank 0 (Ray's: 57)."""
-KEY_BYTES = 32
-"""The size of a door's secret."""
-KEY_WAIT_S = 1.0
-"""How long a door waits for a new connection's secret before it hangs up."""
-_CRED = struct.Struct("3i")
-"""struct ucred: pid, uid, gid."""
 _SLICE_S = 0.5
 """How often a hand waiting for outcomes checks that its call is still the current one."""
-_JOIN_BYTES = 1 << 20
-"""Frames up to this size are sent in one write; larger parts one by one (no copy)."""
+_KEPT_CALLS = 2
+"""Ended calls whose outcomes a hand keeps for a reader that has not taken them all (a
+detached job's supervisor, behind the driver that made the call: see supervise.direct)."""
+_KEPT_TOKENS = 16
+"""Lease tokens whose use a hand remembers, for the supervisor's `revoke`."""
 _LARGE = 1 << 20
 """An outcome over this size stays with its rank until the driver asks for it: the
 first rank would hold every large one of its node in memory, then copy them again."""
@@ -69,6 +66,18 @@ rank's actor for it: its socket closed first (Ray will say why), its node's hand
 or it is large."""
 Collected = tuple[Outcomes, tuple[int, ...], bool]
 """Outcomes, the ranks still running, and whether one failed or was lost."""
+Lease = tuple[bytes | None, bytes | None]
+"""A start's (token, next token): a driver's start must carry the token the hand holds (it
+is then used up); the next token is what the hand holds from then on (see `Hand.start`)."""
+
+
+@dataclass
+class _Ended:
+    """A call another one replaced: its outcomes, for readers that have not taken all."""
+
+    done: Outcomes
+    failing: bool
+    taken: dict[str, int]
 
 
 class Door:
@@ -116,7 +125,7 @@ class Door:
     def _greet(self, conn: socket.socket) -> None:
         """Serve `conn` if its first bytes are the key, within KEY_WAIT_S; else hang up."""
         with conn, contextlib.suppress(Exception):  # that link ends; the door stays open
-            if not hmac.compare_digest(_key(conn), self.key):
+            if not hmac.compare_digest(first_key(conn), self.key):
                 return
             conn.settimeout(None)
             with self._serving:
@@ -133,7 +142,11 @@ class Door:
             send(conn, [call_id, b"\1" if failed else b"\0", sent])
 
 class Hand:
-    """A node's first rank's side: a link to each rank's door, and the current call."""
+    """A node's first rank's side: a link to each rank's door, and the current call.
+
+    A call's outcomes are kept until the next call but one (where it was leased), each
+    reader (the driver, a detached job's supervisor) taking its own way through them.
+    """
 
     def __init__(self) -> None:
         """No links yet: each is made at the first call that needs it."""
@@ -144,7 +157,16 @@ class Hand:
         self._away: set[int] = set()
         """Ranks of other nodes whose outcomes their hands have not brought yet."""
         self._done: Outcomes = []
+        self._taken: dict[str, int] = {}
+        """How many of `_done` each reader took."""
         self._failing = False
+        self._kept = False
+        """Whether the call is kept once replaced (it was leased)."""
+        self._ended: dict[bytes, _Ended] = {}
+        self._lease: bytes | None = None
+        """The token a driver's start must carry now; None: no driver may start a call."""
+        self._used: dict[bytes, tuple[bytes, bytes | None]] = {}
+        """Tokens used up: token -> (the call that used it, the token it lent next)."""
         self._wake, self._woken = socket.socketpair()
         """Written when another node's outcomes came: a collect waiting on the links wakes."""
         self._wake.setblocking(False)
@@ -156,11 +178,27 @@ class Hand:
         call: bytes,
         payload: bytes,
         nodes: Sequence[RemoteNode] = (),
-    ) -> None:
+        *,
+        lease: Lease = (None, None),
+    ) -> bool:
         """Send call `call_id` to each of `peers` (a rank it cannot reach is done, lost),
-        and to the hand of each of `nodes`, which gathers its own node's."""
+        and to the hand of each of `nodes`, which gathers its own node's; False (nothing
+        sent) where `lease`'s token is not the one lent, or a call still runs here."""
+        token, lend = lease
         with self._lock:
+            if token is not None:
+                if token != self._lease or self._pending or self._away:
+                    return False
+                self._used[token] = (call_id, lend)
+                while len(self._used) > _KEPT_TOKENS:
+                    del self._used[next(iter(self._used))]
+            self._lease = lend
+            if self._kept:
+                self._ended[self._call] = _Ended(self._done, self._failing, self._taken)
+                while len(self._ended) > _KEPT_CALLS:
+                    del self._ended[next(iter(self._ended))]
             self._call, self._pending, self._done, self._failing = call_id, {}, [], False
+            self._taken, self._kept = {}, lease != (None, None)
             self._away = {rank for node in nodes for rank in node.ranks}
             for peer in peers:  # first: rank 0 serves the rendezvous store the others reach
                 try:
@@ -173,21 +211,36 @@ class Hand:
             if nodes:
                 args = (call_id, call, payload)
                 threading.Thread(target=self._follow, args=(*args, nodes), daemon=True).start()
+        return True
 
-    def collect(self, call_id: bytes) -> Collected:
-        """Outcomes not yet collected, the ranks still running, and whether one failed:
-        once all are done, or at once after a failure or a lost rank (the driver must
-        hear of it now).
+    def revoke(self, token: bytes) -> tuple[bytes, bytes | None] | None:
+        """Take back lease `token`: None where no driver's start used it (none can now);
+        else the call that used it, and the token lent next."""
+        with self._lock:
+            if self._lease == token:
+                self._lease = None
+                return None
+            return self._used.get(token)
 
-        A call that another one replaced gets nothing more.
+    def collect(self, call_id: bytes, reader: str = "") -> Collected:
+        """Outcomes not yet collected by `reader`, the ranks still running, and whether one
+        failed: once all are done, or at once after a failure or a lost rank (the driver
+        must hear of it now).
+
+        A call that another one replaced gets what was kept of it (nothing if unleased).
         """
         while True:
             with self._lock:
                 if self._call != call_id:
-                    return [], (), False
-                if (self._done and self._failing) or not (self._pending or self._away):
-                    done, self._done = self._done, []
-                    return done, (*self._pending, *sorted(self._away)), self._failing
+                    ended = self._ended.get(call_id)
+                    if ended is None:
+                        return [], (), False
+                    at, ended.taken[reader] = ended.taken.get(reader, 0), len(ended.done)
+                    return ended.done[at:], (), ended.failing
+                at = self._taken.get(reader, 0)
+                if (len(self._done) > at and self._failing) or not (self._pending or self._away):
+                    self._taken[reader] = len(self._done)
+                    return self._done[at:], (*self._pending, *sorted(self._away)), self._failing
                 links = [*self._pending.values(), self._woken]
             try:
                 ready, _, _ = select.select(links, [], [], _SLICE_S)
@@ -304,56 +357,3 @@ def pack_peers(peers: Sequence[Peer]) -> bytes:
     return pickle.dumps(tuple(peers), pickle.HIGHEST_PROTOCOL)
 
 
-def credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """The pid, uid and gid of the process at the other end of a Unix socket."""
-    found = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
-    pid, uid, gid = _CRED.unpack(found)
-    return pid, uid, gid
-
-
-def send(sock: socket.socket, parts: Sequence[bytes]) -> None:
-    """Write one frame: the parts' sizes, then the parts."""
-    header = struct.pack(f"<{len(parts)}Q", *(len(part) for part in parts))
-    if sum(len(part) for part in parts) <= _JOIN_BYTES:
-        sock.sendall(b"".join([header, *parts]))
-        return
-    sock.sendall(header)
-    for part in parts:
-        sock.sendall(part)
-
-
-def receive(sock: socket.socket, count: int) -> list[bytes] | None:
-    """Read one frame of `count` parts; None where the other end closed before one began."""
-    header = _exactly(sock, 8 * count)
-    if header is None:
-        return None
-    parts = []
-    for size in struct.unpack(f"<{count}Q", header):
-        part = _exactly(sock, size)
-        if part is None:
-            raise ConnectionResetError("the other end closed in the middle of a frame")
-        parts.append(part)
-    return parts
-
-
-def _key(conn: socket.socket) -> bytes:
-    """The first KEY_BYTES bytes `conn` sends within KEY_WAIT_S in all; fewer if not."""
-    got, deadline = b"", time.monotonic() + KEY_WAIT_S
-    while len(got) < KEY_BYTES and (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
-        chunk = conn.recv(KEY_BYTES - len(got))
-        if not chunk:
-            break
-        got += chunk
-    return got
-
-
-def _exactly(sock: socket.socket, size: int) -> bytes | None:
-    chunks, left = [], size
-    while left:
-        chunk = sock.recv(min(left, 1 << 22))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
