@@ -33,6 +33,7 @@ from orchestrator.shipping import Shipment
 from orchestrator.show import messages
 from orchestrator.show.logs import Console, Journaling
 from orchestrator.show.status import StatusLine
+from orchestrator.supervise.direct import DirectCall
 from orchestrator.view import CallView, snapshot
 from orchestrator_workers.protocol import CallSpec, RankFailure, RankResult
 from orchestrator_workers.states import State
@@ -76,6 +77,8 @@ class Call:
         restart_count: int = 0,
         earlier: Sequence[BaseException] = (),
         job_secret: bytes = b"",
+        adopt: DirectCall | None = None,
+        lend: bytes | None = None,
     ) -> None:
         """Start the shipped function (see `shipping.ship`) on every rank of `pool`.
 
@@ -83,7 +86,9 @@ class Call:
         all its attempts); `sink(stream, text)` takes it instead of the console (a
         notebook cell); `journal` records every chunk too (a detached job's). `earlier`:
         the job's failed attempts, for this one's error. `job_secret`: the same for all
-        the job's attempts (its ranks' snapshots, see snapshot).
+        the job's attempts (its ranks' snapshots, see snapshot). `adopt`: a detached job's
+        call that its driver started, watched here as if started here; `lend`: the lease
+        token rank 0's hand holds from this call's start (see supervise.direct).
         """
         self.pool = pool
         self.console = Console(
@@ -103,7 +108,7 @@ class Call:
         self.timeout = options.timeout
         self.stop = stop or threading.Event()
         self.earlier = tuple(earlier)
-        self.share_key = uuid.uuid4().hex[:16]
+        self.share_key = adopt.call_id.decode() if adopt else uuid.uuid4().hex[:16]
         call = CallSpec(
             master_port=pool.store_port,
             restart_count=restart_count,
@@ -115,7 +120,9 @@ class Call:
         )
         packed_call = pickle.dumps(call, pickle.HIGHEST_PROTOCOL)
         self.call_id = self.share_key.encode()
-        self.runs = self._start(packed_call, shipped.data)
+        self.runs = self._start(packed_call, shipped.data, lend) if adopt is None else {
+            pool.actors[0].collect.remote(self.call_id): Awaited(tuple(range(len(pool.actors))), 0)
+        }
         """The Ray tasks in flight that bring ranks' outcomes, and whose."""
         self.output = CallOutput(pool, self.console)
         self.next_port: int | None = None
@@ -134,23 +141,29 @@ class Call:
         quiet = sink is not None  # a notebook cell shows the ranks' table instead
         self.status = None if quiet else StatusLine(pool.name, len(pool.actors), started, self.view)
 
-    def _start(self, packed_call: bytes, data: bytes | ray.ObjectRef) -> dict[Any, Awaited]:
+    def _start(
+        self, packed_call: bytes, data: bytes | ray.ObjectRef, lend: bytes | None
+    ) -> dict[Any, Awaited]:
         """Start the call on every rank. A small payload is handed off (see handoff): one
         Ray task to each node's first rank, or on many nodes to rank 0, which calls the
-        others. A large one goes in one Ray task per rank, each of which reads it from the
-        object store in place."""
-        pool = self.pool
+        others (and lends `lend`). A large one goes in one Ray task per rank, each of
+        which reads it from the object store in place."""
+        pool, lease = self.pool, (None, lend)
         if pool.handoff and isinstance(data, bytes) and pool.others:  # rank 0 calls the nodes
             first = pool.nodes[0]
             root = pool.actors[first.ranks[0]]
             others = pool.others_for_call()
-            ref = root.run_node.remote(self.call_id, packed_call, data, first.peers, others)
+            ref = root.run_node.remote(
+                self.call_id, packed_call, data, first.peers, others, lease=lease
+            )
             return {ref: Awaited(tuple(range(len(pool.actors))), first.ranks[0])}
         if pool.handoff and isinstance(data, bytes):  # the driver calls each node's first rank
             runs = {}
             for node in pool.nodes:
                 hand = pool.actors[node.ranks[0]]
-                ref = hand.run_node.remote(self.call_id, packed_call, data, node.peers, ())
+                ref = hand.run_node.remote(
+                    self.call_id, packed_call, data, node.peers, (), lease=lease
+                )
                 runs[ref] = Awaited(node.ranks, node.ranks[0])
             return runs
         specs = zip(pool.actors, pool.packed_specs, strict=True)

@@ -14,6 +14,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -27,12 +28,28 @@ from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
 from orchestrator.show import logs, messages
 from orchestrator.show.logs import Journaling
+from orchestrator.supervise import direct
+from orchestrator.supervise.direct import DirectCall, Leases
 from orchestrator_workers import environment
 from orchestrator_workers.protocol import Payload
 from orchestrator_workers.states import State
 
 Plan = tuple[placement.Request, bool]
 """What a pool is to hold, and whether it simulates its nodes on one machine."""
+
+
+@dataclass
+class _Entry:
+    """A job queued, with what it runs."""
+
+    job: Job[Any]
+    shipped: Shipment
+    options: Options
+    plan: Plan | None
+    lend: bytes | None = None
+    """A detached job's: the lease token its start lends its driver (see supervise.direct)."""
+    direct: DirectCall | None = None
+    """A detached job whose driver starts the call itself (see supervise.direct)."""
 
 _LINGER_S = 2.0
 """How long the runner thread waits for the next call before it ends."""
@@ -65,12 +82,14 @@ class Runner:
         self._box = _PoolBox()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._queue: deque[tuple[Job[Any], Shipment, Options, Plan | None]] = deque()
+        self._queue: deque[_Entry] = deque()
         self._thread: threading.Thread | None = None
         self.current: Job[Any] | None = None
         """The job running now, if any."""
         self.last: Job[Any] | None = None
         """The job submitted last."""
+        self.leases: Leases | None = None
+        """A detached function's supervisor's: its drivers' own calls (supervise.direct)."""
         weakref.finalize(self, self._box.release)
         _runners.add(self)
 
@@ -81,7 +100,7 @@ class Runner:
 
     def busy_with(self) -> Job[Any] | None:
         """The job that runs or waits on this function now, if any."""
-        waiting = [job for job, *_ in self._queue if not job.done()]
+        waiting = [entry.job for entry in self._queue if not entry.job.done()]
         current = self.current if self.current is not None and not self.current.done() else None
         return current or (waiting[0] if waiting else None)
 
@@ -106,23 +125,29 @@ class Runner:
 
     def submit_packed(
         self,
-        payload: Payload,
+        payload: Payload | Shipment,
         uses_torch: bool,
         options: Options,
         *,
         owner: Any = None,
         in_cell: bool = False,
         journal: Journaling | None = None,
+        lend: bytes | None = None,
+        direct: DirectCall | None = None,
     ) -> Job[Any]:
-        """Queue a call packed already (`shipping.pack`), as `submit` does; its Job.
+        """Queue a call packed already (`shipping.pack`, or shipped), as `submit` does; its
+        Job.
 
-        `journal`: where the job's output is recorded too (a detached job's supervisor).
+        `journal`: where the job's output is recorded too (a detached job's supervisor);
+        `lend`, `direct`: see `_Entry`.
         """
         self._refuse_if_busy(options)
         plan = None if self.pool is not None else _plan(options)
         # Now, before returning: the arguments' big tensors are pickled by reference, so a
         # caller changing them after submit() must not change what the ranks get.
-        shipped = shipping.ship(payload, uses_torch=uses_torch)
+        shipped = payload if isinstance(payload, Shipment) else shipping.ship(
+            payload, uses_torch=uses_torch
+        )
         folder = options.log_folder
         log_dir = logs.call_folder(folder, self.name) if folder is not None else None
         job: Job[Any] = Job(
@@ -136,7 +161,7 @@ class Runner:
             except BusyError:
                 job._discard()
                 raise
-            self._queue.append((job, shipped, options, plan))
+            self._queue.append(_Entry(job, shipped, options, plan, lend, direct))
             self.last = job
             self._wakeup.notify()
             if self._thread is None:
@@ -154,7 +179,7 @@ class Runner:
     def stop(self, job: Job[Any]) -> None:
         """Withdraw a queued `job`, or kill its ranks if it runs (a waiting one sees its flag)."""
         with self._lock:
-            self._queue = deque(entry for entry in self._queue if entry[0] is not job)
+            self._queue = deque(entry for entry in self._queue if entry.job is not job)
             pool = self.pool if job is self.current else None
             if pool is not None:
                 self._box.pool = None  # never hand a killed pool to the next call
@@ -179,7 +204,7 @@ class Runner:
     def shutdown(self) -> None:
         """Cancel every queued and running job, then release the pool."""
         with self._lock:
-            jobs = [job for job, *_ in self._queue]
+            jobs = [entry.job for entry in self._queue]
             if self.current is not None:
                 jobs.append(self.current)
         for job in jobs:
@@ -199,29 +224,57 @@ class Runner:
                 if not self._queue:
                     self._thread = None
                     return
-                job, shipped, options, plan = self._queue.popleft()
-                self.current = job
+                entry = self._queue.popleft()
+                self.current = entry.job
             try:
-                job._context.run(self._execute, job, shipped, options, plan)
+                entry = self._direct_first(entry)
+                entry.job._context.run(self._execute, entry)
             except BaseException as exc:  # noqa: BLE001 - a bug here must not strand jobs
-                job._finish(error=exc)
+                entry.job._finish(error=exc)
             finally:
                 with self._lock:
                     self.current = None
                     self._wakeup.notify_all()  # for `settle`
 
-    def _execute(
-        self, job: Job[Any], shipped: Shipment, options: Options, plan: Plan | None
-    ) -> None:
-        """Run `job`: start the pool if needed, call, restart as allowed, settle the job.
+    def _direct_first(self, entry: _Entry) -> _Entry:
+        """`entry`, or the job of a driver's call that holds the ranks now (see
+        supervise.direct), which runs first (`entry` goes back to the queue's head)."""
+        if self.leases is None:
+            return entry
+        first = direct.next_entry(self.leases, self.pool, entry.direct, self._take_queued)
+        if first is None:
+            return entry
+        with self._lock:
+            self._queue.appendleft(entry)
+            self.current = first.job
+        return first
+
+    def _take_queued(self, call_id: bytes, wait_s: float) -> _Entry | None:
+        """The queued job of a driver's call `call_id`, taken from the queue; waits up to
+        `wait_s` for it to come."""
+
+        def find() -> _Entry | None:
+            return next((e for e in self._queue if e.direct and e.direct.call_id == call_id), None)
+
+        with self._lock:
+            found = self._wakeup.wait_for(find, wait_s)
+            if found is not None:
+                self._queue.remove(found)
+            return found
+
+    def _execute(self, entry: _Entry) -> None:
+        """Run the entry's job: start the pool if needed, call, restart as allowed, settle
+        the job.
 
         A cancelled job is settled by cancel(); every other outcome here.
         """
+        job, options, plan = entry.job, entry.options, entry.plan
         earlier: list[BaseException] = []
-        secret = os.urandom(32)  # the job's, for all its attempts (its ranks' snapshots)
+        # The job's, for all its attempts (its ranks' snapshots); a driver's call brings its own.
+        secret = entry.direct.secret if entry.direct is not None else os.urandom(32)
         while not job._stop_requested.is_set():
             try:
-                value = self._attempt(job, shipped, options, plan, earlier, secret=secret)
+                value = self._attempt(entry, plan, earlier, secret=secret)
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
                 if cluster.lost_session(exc):  # its ranks ended with the session
                     self._box.pool = None
@@ -273,21 +326,24 @@ class Runner:
         return None
 
     def _attempt(
-        self,
-        job: Job[Any],
-        shipped: Shipment,
-        options: Options,
-        plan: Plan | None,
-        earlier: list[BaseException],
-        *,
-        secret: bytes,
+        self, entry: _Entry, plan: Plan | None, earlier: list[BaseException], *, secret: bytes
     ) -> list[Any]:
+        job, shipped, options = entry.job, entry.shipped, entry.options
         if self.pool is not None and self.pool.session != cluster.session():
             self._box.pool = None  # its actors ended with an earlier Ray Client session
         if self.pool is None:
             self._box.pool = self._start(job, plan or _plan(options), shipped.uses_torch)
+            if self.leases is not None:
+                self.leases.outstanding = None  # lent by an earlier pool's rank 0
         pool = self.pool
         assert pool is not None
+        mine = entry.direct if not earlier else None  # a driver's call: its first attempt
+        how, values = "own", None
+        if self.leases is not None:
+            how, values = direct.before_attempt(self.leases, pool, mine, job._stop_requested)
+            if how == "values":
+                return values  # type: ignore[return-value]
+        lend = entry.lend if how == "own" and not earlier and direct.can_lend(pool) else None
         attempt = call.Call(
             pool,
             shipped,
@@ -299,7 +355,11 @@ class Runner:
             restart_count=len(earlier),
             earlier=earlier,
             job_secret=secret,
+            adopt=mine if how == "adopt" else None,
+            lend=lend,
         )
+        if self.leases is not None and how == "own":
+            self.leases.outstanding = lend
         job._attempt(attempt)
         return attempt.wait()
 

@@ -55,7 +55,7 @@ class Shipment:
 
 FORGET_WAIT_S = 5.0
 """After a failure, how long to wait for stopped ranks to be gone before cleaning up."""
-_INLINE_BYTES = 64 * 1024
+INLINE_BYTES = 64 * 1024
 """Payloads up to this size are sent with each rank's task instead of through ray.put."""
 
 
@@ -67,7 +67,7 @@ def ship(shipped: Payload, *, uses_torch: bool = True) -> Shipment:
     them as they are, where it would pickle a dataclass per rank). `uses_torch`: see
     `pack`.
     """
-    if shipped.size() <= _INLINE_BYTES:
+    if shipped.size() <= INLINE_BYTES:
         return Shipment(pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL), uses_torch)
     if cluster.through_ray_client():  # its server on the head unpickles it: builtins only
         return Shipment(ray.put(shipped.parts()), uses_torch)

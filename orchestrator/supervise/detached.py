@@ -28,12 +28,14 @@ from orchestrator.connect import cluster, discovery, rankside
 from orchestrator.errors import BusyError, ConfigError
 from orchestrator.options import Options
 from orchestrator.show import messages
-from orchestrator.supervise import registry
+from orchestrator.supervise import direct, registry
 from orchestrator.supervise.follow import PAGE_ENTRIES, FollowedJob, how_to_get_back
+from orchestrator.supervise.journal import Page
 from orchestrator.supervise.link import ASK_TIMEOUT_S
 from orchestrator.supervise.supervisor import (
     CONCURRENCY,
     NAMESPACE,
+    Outcome,
     RemoteShell,
     RemoteSupervisor,
     SupervisorEndedError,
@@ -65,6 +67,7 @@ class Detached:
         self.current: FollowedJob[Any] | None = None
         self.pool = None
         """Always None: the warm pool lives in the supervisor."""
+        self._holder = direct.Holder()
 
     def submit(
         self,
@@ -86,17 +89,20 @@ class Detached:
         if self.last is not None and not self.last.done() and not options.queue:
             raise BusyError.still_running(self.name, self.last)
         payload, uses_torch = shipping.pack(fn, args, kwargs)
+        lease = self._direct_lease(payload, first_wait_s)
+        if lease is not None:
+            done = self._call_directly(payload, uses_torch, options, lease, first_wait_s,
+                                       owner=owner, in_cell=in_cell)
+            if done is not None:
+                return done
         for anew in (False, True):
             record, handle, submitted = self._send(payload, uses_torch, options, first_wait_s)
             try:
-                refused, page, outcome = unwire(
+                refused, page, outcome, lease = unwire(
                     ray.get(submitted, timeout=START_TIMEOUT_S + first_wait_s)
                 )
             except KeyboardInterrupt:
-                raise KeyboardInterrupt(
-                    f"stopped waiting for job {record.id}, which may run on in the cluster: "
-                    f"{how_to_get_back(record.id)}"
-                ) from None
+                raise _interrupted(record.id) from None
             except RayActorError:  # it ended, or was stopped (with its ranks): anew, once
                 if anew:
                     raise
@@ -109,12 +115,56 @@ class Detached:
                 self._handle = None
         if refused is not None:
             raise refused
+        self._holder.keep(lease)
+        return self._followed(record, handle, (page, outcome), owner, in_cell)
+
+    def _followed(
+        self, record: registry.JobRecord, handle: Any, first: Any, owner: Any, in_cell: bool
+    ) -> FollowedJob[Any]:
         messages.say(f"detached job {record.id}; {how_to_get_back(record.id)}", job=self.name)
-        first = (page, outcome)
         job: FollowedJob[Any] = FollowedJob(record, handle, in_cell=in_cell, owner=owner,
                                             first=first)
         self.last = self.current = job
         return job
+
+    def _direct_lease(self, payload: Payload, first_wait_s: float) -> direct.Lease | None:
+        """The lease for this call to start on the ranks from here (see supervise.direct):
+        where the caller waits for a small call's result, and nothing of this function's
+        runs; None otherwise."""
+        quiet = self.last is None or self.last.done()
+        small = payload.size() <= shipping.INLINE_BYTES
+        if not (first_wait_s > 0 and quiet and small) or cluster.through_ray_client():
+            return None
+        return self._holder.take()
+
+    def _call_directly(
+        self,
+        payload: Payload,
+        uses_torch: bool,
+        options: Options,
+        lease: direct.Lease,
+        first_wait_s: float,
+        *,
+        owner: Any,
+        in_cell: bool,
+    ) -> FollowedJob[Any] | None:
+        """The call, started on the ranks from here (see supervise.direct); None where its
+        supervisor ended or is gone (with its ranks): the call goes to a new one."""
+        handle = self._supervisor()
+        record = registry.new_record(self.name, options, self._supervisor_name or "")
+        shipped = shipping.ship(payload, uses_torch=uses_torch)
+        told = (record, shipped, uses_torch, _in_cluster(options))
+        wait_s = min(first_wait_s, direct.DIRECT_WAIT_S)
+        try:
+            values = self._holder.call(handle, told, shipped, options, lease=lease, wait_s=wait_s)
+        except KeyboardInterrupt:
+            raise _interrupted(record.id) from None
+        except (SupervisorEndedError, RayActorError):
+            with self._lock:
+                self._handle = None
+            return None
+        first = None if values is None else (Page((), 0, closed=True), Outcome(value=values))
+        return self._followed(record, handle, first, owner, in_cell)
 
     def _send(
         self, payload: Payload, uses_torch: bool, options: Options, first_wait_s: float
@@ -125,7 +175,9 @@ class Detached:
             try:
                 handle = self._supervisor()
                 record = registry.new_record(self.name, options, self._supervisor_name or "")
-                packed = wire((record, payload, uses_torch, _in_cluster(options)))
+                wants = first_wait_s > 0 and not cluster.through_ray_client()
+                known = self._holder.known() if wants else None  # a lease for the next call
+                packed = wire((record, payload, uses_torch, _in_cluster(options), known))
                 return record, handle, handle.submit.remote(packed, PAGE_ENTRIES, first_wait_s)
             except ConnectionError as exc:  # Ray Client's session was lost: a new one, once
                 if again or not cluster.lost_session(exc) or not cluster.rejoin(self._session):
@@ -162,6 +214,13 @@ class Detached:
                 self._handle, self._supervisor_name = start_supervisor(self.name, self.options)
                 self._session = cluster.session()
             return self._handle
+
+
+def _interrupted(job_id: str) -> KeyboardInterrupt:
+    return KeyboardInterrupt(
+        f"stopped waiting for job {job_id}, which may run on in the cluster: "
+        f"{how_to_get_back(job_id)}"
+    )
 
 
 def _in_cluster(options: Options) -> Options:

@@ -28,9 +28,10 @@ from orchestrator.errors import OrchestratorError
 from orchestrator.job import Job, JobStatus
 from orchestrator.options import Options
 from orchestrator.runner import Runner
+from orchestrator.shipping import Shipment
 from orchestrator.show.logs import Bulk
 from orchestrator.show.notebook import Table
-from orchestrator.supervise import registry
+from orchestrator.supervise import direct, registry
 from orchestrator.supervise.journal import Journal
 from orchestrator_workers.protocol import Payload, unwire, wire
 
@@ -101,6 +102,7 @@ class Supervisor:
         self._actor_name = actor_name
         self._ending = False
         self._runner = Runner(name, self.options)
+        self._runner.leases = direct.Leases()
         self._jobs: dict[str, _Kept] = {}
         self._lock = threading.Lock()
         self._idle_since = time.monotonic()
@@ -142,19 +144,62 @@ class Supervisor:
         }
 
     def submit(self, packed: bytes, limit: int, wait_s: float) -> bytes:
-        """Queue one call, packed by the driver: (record, payload, uses_torch, options),
-        wired (see `protocol.wire`); its job is kept, with `record`, until released. Then
-        the job's first `read` (after position 0, up to `limit` entries, waiting up to
-        `wait_s`), so that a call that ends within `wait_s` costs its driver one Ray call:
-        (None, Page, Outcome or None), or (the error that refused it, None, None), wired."""
+        """Queue one call, packed by the driver: (record, payload, uses_torch, options,
+        lease), wired (see `protocol.wire`); `lease`: None, or the pool the driver knows
+        ("" for none) where it wants a `direct.Lease` to make its next call itself. Its job
+        is kept, with `record`, until released. Then the job's first `read` (after
+        position 0, up to `limit` entries, waiting up to `wait_s`), so that a call that ends
+        within `wait_s` costs its driver one Ray call: (None, Page, Outcome or None, Lease or
+        None), or (the error that refused it, None, None, None), wired."""
+        record, payload, uses_torch, options, known = unwire(packed)
+        lend = direct.new_token() if known is not None else None
         try:
-            job_id = self._submit(*unwire(packed))
+            job_id = self._submit(record, payload, uses_torch, options, lend=lend)
         except Exception as exc:  # noqa: BLE001 - raised in the driver
-            return wire((exc, None, None))
-        return wire((None, *self._read(job_id, 0, limit, wait_s, FIRST_SETTLE_S)))
+            return wire((exc, None, None, None))
+        page, outcome = self._read(job_id, 0, limit, wait_s, FIRST_SETTLE_S)
+        lease = self._lease(lend, known) if outcome is not None else None
+        return wire((None, page, outcome, lease))
+
+    def notice(self, packed: bytes) -> bytes:
+        """A call its driver starts on the ranks itself (see supervise.direct): (record,
+        Shipment, uses_torch, options, DirectCall), wired; kept as any job. None, or the
+        error that refused it, wired."""
+        record, shipped, uses_torch, options, call = unwire(packed)
+        try:
+            self._submit(record, shipped, uses_torch, options, call=call)
+        except Exception as exc:  # noqa: BLE001 - raised in the driver
+            return wire(exc)
+        return wire(None)
+
+    def settle(self, call_id: bytes, packed: bytes) -> None:
+        """Its driver's word on a call it made itself: a `direct.Settled`, wired."""
+        self._runner.leases.say(call_id, unwire(packed))  # type: ignore[union-attr]
+
+    def _lease(self, lend: bytes | None, known: str) -> direct.Lease | None:
+        """The lease for its driver's next call, where the token `lend` is still lent."""
+        pool, leases = self._runner.pool, self._runner.leases
+        if lend is None or pool is None or leases is None or leases.outstanding != lend:
+            return None
+        full = known != direct.pool_id(pool)  # else the driver has rank 0 and its peers
+        return direct.Lease(
+            pool=direct.pool_id(pool),
+            token=lend,
+            port=pool.store_port,
+            gpus=pool.request.gpus_per_replica > 0,
+            rank0=pool.actors[0] if full else None,
+            peers=pool.nodes[0].peers if full else b"",
+        )
 
     def _submit(
-        self, record: registry.JobRecord, payload: Payload, uses_torch: bool, options: Options
+        self,
+        record: registry.JobRecord,
+        payload: Payload | Shipment,
+        uses_torch: bool,
+        options: Options,
+        *,
+        lend: bytes | None = None,
+        call: direct.DirectCall | None = None,
     ) -> str:
         job_id = record.id
         with self._lock:
@@ -166,7 +211,9 @@ class Supervisor:
             self._submitting += 1
         try:
             journal = Journal(options.num_replicas)
-            job = self._runner.submit_packed(payload, uses_torch, options, journal=journal)
+            job = self._runner.submit_packed(
+                payload, uses_torch, options, journal=journal, lend=lend, direct=call
+            )
             job.add_done_callback(lambda _: journal.close())  # after its last output is in
         except BaseException:
             with self._lock:

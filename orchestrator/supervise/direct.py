@@ -1,0 +1,315 @@
+"""A detached function's warm calls, started on the ranks by the driver itself while the
+supervisor watches (issue 36's "direct mode").
+
+A detached call sent through the supervisor costs two more Ray trips and the supervisor's
+work on the call's path. So where a driver waits for a small call's result, it starts the
+call on rank 0 itself, as a live call does, and takes the outcomes from rank 0's hand; the
+supervisor is told first (a `DirectCall`, with everything it needs to run the job itself)
+and watches:
+
+- The supervisor lends the pool by a token held in rank 0's hand (`handoff.Hand`): a
+  driver's start must carry it, and uses it up, lending the token the driver chose for its
+  next call. Before the supervisor starts anything itself it takes the token back
+  (`revoke`), learning at once whether a driver's call took it; a call that did runs (is
+  watched) first. So a driver's call never replaces another, nor runs beside one.
+- The driver tells the supervisor how the call went (a `Settled`): quiet and successful,
+  with its results (the supervisor keeps them, as for any detached job); or anything else
+  (refused, or a rank printed or failed, or it runs long), and the supervisor looks at the
+  hand: a call that ran is taken over (its outcomes collected as a second reader of the
+  hand, its output as any call's), one that did not is run by the supervisor; the driver
+  follows the job. A driver that says nothing within ADOPT_AFTER_S (killed, or its
+  network lost) leaves the supervisor to look likewise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from orchestrator.pool import Pool
+from orchestrator_workers.protocol import CallSpec, RankResult, unwire, wire
+
+ADOPT_AFTER_S = 2.0
+"""How long the supervisor waits for the driver's word on its call before it looks itself."""
+NOTICE_WAIT_S = 5.0
+"""How long the supervisor waits for the notice of a call that took the lease (sent before
+the call by its driver) before it treats the call as an orphan."""
+DIRECT_WAIT_S = 0.05
+"""How long a driver waits for a call it made itself before it follows the job instead (a
+call that prints shows its first lines that late)."""
+READER = "driver"
+"""The driver's name as a reader of a call's outcomes at rank 0's hand."""
+
+
+@dataclass(frozen=True)
+class DirectCall:
+    """A call the driver starts on the ranks itself, as it tells the supervisor first."""
+
+    call_id: bytes
+    """Its share key, encoded (the hand's call id)."""
+    secret: bytes
+    """The job's secret (its ranks' snapshots)."""
+    token: bytes
+    """The lease token its start carries."""
+    lend: bytes
+    """The token its start lends for the driver's next call."""
+    port: int
+    """Its rendezvous store's port."""
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The driver's word on its call: `values` where it succeeded quietly (by rank), with
+    the next call's store port; else the supervisor looks at the hand now (the call was
+    refused, or printed, failed or runs on: it is taken over)."""
+
+    values: list[Any] | None = None
+    next_port: int | None = None
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a driver needs for its next call on the pool: the token rank 0's hand holds,
+    the store port, and (where the driver lacks them) rank 0's actor and its node's peers."""
+
+    pool: str
+    token: bytes
+    port: int
+    gpus: bool
+    rank0: Any = None
+    peers: bytes = b""
+
+
+def can_lend(pool: Pool | None) -> bool:
+    """Whether a driver may start calls on `pool` itself: rank 0 alone starts them."""
+    return pool is not None and pool.handoff and (len(pool.nodes) == 1 or bool(pool.others))
+
+
+def pool_id(pool: Pool) -> str:
+    """The pool's identity for a lease: its rank 0's door (a random name, one per actor)."""
+    return pool.infos[0].door
+
+
+def new_token() -> bytes:
+    """A lease token."""
+    return secrets.token_bytes(16)
+
+
+class Leases:
+    """The supervisor's side: the token rank 0's hand holds, and its drivers' words."""
+
+    def __init__(self) -> None:
+        """No token lent yet."""
+        self.outstanding: bytes | None = None
+        """The token the hand holds (lent by the last start), as far as this side knows."""
+        self._said: dict[bytes, Settled] = {}
+        self._taken: dict[bytes, None] = {}
+        """Calls a revoke found holding the ranks (the newest 64)."""
+        self._cond = threading.Condition()
+
+    def say(self, call_id: bytes, settled: Settled) -> None:
+        """The driver's word on its call `call_id`."""
+        with self._cond:
+            self._said[call_id] = settled
+            while len(self._said) > 64:  # words on calls never noticed (their jobs refused)
+                del self._said[next(iter(self._said))]
+            self._cond.notify_all()
+
+    def word(self, call_id: bytes, wait_s: float) -> Settled | None:
+        """The driver's word on `call_id`, waiting up to `wait_s` for it (taken: once)."""
+        with self._cond:
+            self._cond.wait_for(lambda: call_id in self._said, wait_s)
+            return self._said.pop(call_id, None)
+
+    def revoke(self, pool: Pool, token: bytes | None = None) -> tuple[bytes, bytes | None] | None:
+        """Take back `token` (default: the outstanding one) at rank 0's hand: None where no
+        driver's call took it (or rank 0 is gone: no call can take it); else that call's id
+        and the token it lent, which is outstanding now."""
+        token = token if token is not None else self.outstanding
+        if token is None:
+            return None
+        try:
+            used = ray.get(pool.actors[0].revoke.remote(token), timeout=NOTICE_WAIT_S)
+        except (RayError, GetTimeoutError):  # the attempt finds out what became of rank 0
+            used = None
+        if used is not None:
+            self._taken[used[0]] = None
+            while len(self._taken) > 64:
+                del self._taken[next(iter(self._taken))]
+        if token == self.outstanding:
+            self.outstanding = None if used is None else used[1]
+        return used
+
+    def took(self, call_id: bytes) -> bool:
+        """Whether a revoke found that call `call_id` took its token (it runs)."""
+        return call_id in self._taken
+
+    def clear(self, pool: Pool) -> None:
+        """Take every token back before the runner starts a call itself, waiting for any
+        call that took one and was never told of (see `orphan`)."""
+        while (used := self.revoke(pool)) is not None:
+            self.orphan(pool, used[0])
+
+    def orphan(self, pool: Pool, call_id: bytes) -> None:
+        """Wait for call `call_id`, whose driver never told of it (it died between its
+        notice and its start, and the notice was lost), to end on the ranks. Its output
+        goes to the next job's journal."""
+        with contextlib.suppress(RayError):
+            while True:
+                got = ray.get(pool.actors[0].collect.remote(call_id, "orphan"))
+                if not pickle.loads(got)[1]:  # noqa: S301 - our rank's
+                    return
+
+
+def next_entry(
+    leases: Leases,
+    pool: Pool | None,
+    own: DirectCall | None,
+    take_queued: Callable[[bytes, float], Any],
+) -> Any | None:
+    """Before the runner starts a job on `pool` (`own`: the driver's call the job is, if
+    any): None, go on; or the queued entry of a driver's call that holds the ranks now, to
+    run first, found by `take_queued(call_id, wait_s)`."""
+    while pool is not None and leases.outstanding is not None:
+        if own is not None and own.token == leases.outstanding:
+            return None  # its driver's word decides (see `before_attempt`)
+        used = leases.revoke(pool)
+        if used is None:
+            return None
+        entry = take_queued(used[0], NOTICE_WAIT_S)
+        if entry is not None:
+            return entry
+        leases.orphan(pool, used[0])
+    return None
+
+
+def before_attempt(
+    leases: Leases, pool: Pool, mine: DirectCall | None, stop: threading.Event
+) -> tuple[str, list[Any] | None]:
+    """How the runner's attempt goes, where `mine` is a driver's call (its first attempt):
+    ("values", its results): it succeeded quietly; ("adopt", None): it runs on the ranks,
+    and the runner watches it as its own; ("own", None): the runner starts the call itself,
+    every token taken back first."""
+    if mine is not None and (leases.took(mine.call_id) or mine.token == leases.outstanding):
+        word = None
+        deadline = time.monotonic() + ADOPT_AFTER_S
+        while word is None and not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            word = leases.word(mine.call_id, min(left, 0.1))
+        if word is not None and word.values is not None:
+            leases.outstanding = mine.lend
+            pool.use_store(word.next_port, close=False)  # its driver closed the last one
+            return "values", word.values
+        ran = leases.took(mine.call_id)
+        if not ran and not stop.is_set():  # refused, or running on, or its driver is gone
+            used = leases.revoke(pool, mine.token)
+            ran = used is not None and used[0] == mine.call_id
+            if used is not None and not ran:
+                leases.orphan(pool, used[0])
+        if ran:
+            leases.outstanding = mine.lend
+            pool.store_port = mine.port
+            return "adopt", None
+    leases.clear(pool)
+    return "own", None
+
+
+class Holder:
+    """The driver's side: the lease for its next call, if it holds one, and the call."""
+
+    def __init__(self) -> None:
+        """No lease yet: the first answer of the supervisor brings one."""
+        self._lock = threading.Lock()
+        self._lease: Lease | None = None
+        self._pool = ""
+        self._rank0: Any = None
+        self._peers = b""
+
+    def known(self) -> str:
+        """The pool whose rank 0 and peers this driver has ("" for none)."""
+        return self._pool
+
+    def keep(self, lease: Lease | None) -> None:
+        """Hold `lease` for the next call (None: hold none)."""
+        with self._lock:
+            if lease is not None and lease.rank0 is not None:
+                self._pool, self._rank0, self._peers = lease.pool, lease.rank0, lease.peers
+            self._lease = lease if lease is not None and lease.pool == self._pool else None
+
+    def take(self) -> Lease | None:
+        """The lease held, now no longer held (one call uses it)."""
+        with self._lock:
+            lease, self._lease = self._lease, None
+            return lease
+
+    def call(
+        self, handle: Any, told: tuple[Any, ...], shipped: Any, options: Any, *,
+        lease: Lease, wait_s: float,
+    ) -> list[Any] | None:
+        """Tell the supervisor (`handle`) of the call (`told`: its record and the rest of
+        `notice`'s), start it on the ranks, and wait up to `wait_s` for it: its results
+        where it succeeded quietly; None where the supervisor has it now (follow the job)."""
+        call_id = uuid.uuid4().hex[:16]
+        secret, lend = os.urandom(32), new_token()
+        mine = DirectCall(call_id.encode(), secret, lease.token, lend, lease.port)
+        noticed = handle.notice.remote(wire((*told, mine)))
+        spec = CallSpec(
+            master_port=lease.port,
+            restart_count=0,
+            max_restarts=options.max_restarts,
+            share_key=call_id,
+            uses_torch=shipped.uses_torch or lease.gpus,
+            watched=options.stall_after is not None,
+            job_secret=secret,
+        )
+        run = self._rank0.run_node.remote(
+            mine.call_id, pickle.dumps(spec, pickle.HIGHEST_PROTOCOL), shipped.data,
+            self._peers, None, lease=(lease.token, lend), reader=READER,
+        )
+        quiet = None
+        try:
+            if ray.wait([run], timeout=wait_s)[0]:
+                quiet = _quiet(ray.get(run), options.num_replicas)
+        except RayError:
+            pass  # rank 0 is gone: the supervisor finds out, and says so
+        finally:
+            if quiet is None:  # the supervisor looks at the hand now
+                handle.settle.remote(mine.call_id, wire(Settled()))
+        if quiet is None:
+            refused = unwire(ray.get(noticed, timeout=NOTICE_WAIT_S * 4))
+            if refused is not None:
+                raise refused
+            return None
+        values, next_port, store_open = quiet
+        if store_open:
+            self._rank0.close_store.remote(lease.port)
+        handle.settle.remote(mine.call_id, wire(Settled(values, next_port)))
+        self.keep(Lease(lease.pool, lend, next_port or lease.port, lease.gpus))
+        return values
+
+
+def _quiet(data: bytes, ranks: int) -> tuple[list[Any], int | None, bool] | None:
+    """A call's outcomes from rank 0's hand, where each of its `ranks` succeeded and printed
+    nothing: its values by rank, the next store port, and whether rank 0's store is open."""
+    got = pickle.loads(data)  # noqa: S301 - our rank's
+    if got is None or got[1] or got[2] or len(got[0]) != ranks:  # refused, running, failed
+        return None
+    results: list[RankResult] = []
+    for _, raw in got[0]:
+        outcome = None if raw is None else cloudpickle.loads(raw)
+        if not isinstance(outcome, RankResult) or outcome.output_seq:
+            return None  # large (its rank keeps it), failed or printed: the supervisor has it
+        results.append(outcome)
+    results.sort(key=lambda result: result.rank)
+    return [r.value for r in results], results[0].next_master_port, results[0].store_open
