@@ -86,9 +86,8 @@ class Call:
         all its attempts); `sink(stream, text)` takes it instead of the console (a
         notebook cell); `journal` records every chunk too (a detached job's). `earlier`:
         the job's failed attempts, for this one's error. `job_secret`: the same for all
-        the job's attempts (its ranks' snapshots, see snapshot). `adopt`: a detached job's
-        call that its driver started, watched here as if started here; `lend`: the lease
-        token rank 0's hand holds from this call's start (see supervise.direct).
+        the job's attempts (its ranks' snapshots, see snapshot). `adopt`: the driver's own
+        call, started already; `lend`: the token rank 0 lends (see supervise.direct).
         """
         self.pool = pool
         self.console = Console(
@@ -102,9 +101,8 @@ class Call:
             journal=journal,
         )
         if restart_count:
-            self.console.mark_files(
-                f"--- attempt {restart_count + 1} (restart {restart_count}) ---"
-            )
+            attempt = f"attempt {restart_count + 1} (restart {restart_count})"
+            self.console.mark_files(f"--- {attempt} ---")
         self.timeout = options.timeout
         self.stop = stop or threading.Event()
         self.earlier = tuple(earlier)
@@ -118,11 +116,10 @@ class Call:
             watched=options.stall_after is not None,
             job_secret=job_secret,
         )
-        packed_call = pickle.dumps(call, pickle.HIGHEST_PROTOCOL)
         self.call_id = self.share_key.encode()
+        packed_call, everyone = pickle.dumps(call), Awaited(tuple(range(len(pool.actors))), 0)
         self.runs = self._start(packed_call, shipped.data, lend) if adopt is None else {
-            pool.actors[0].collect.remote(self.call_id): Awaited(tuple(range(len(pool.actors))), 0)
-        }
+            pool.actors[0].collect.remote(self.call_id): everyone}  # started by its driver
         """The Ray tasks in flight that bring ranks' outcomes, and whose."""
         self.output = CallOutput(pool, self.console)
         self.next_port: int | None = None
@@ -148,23 +145,19 @@ class Call:
         Ray task to each node's first rank, or on many nodes to rank 0, which calls the
         others (and lends `lend`). A large one goes in one Ray task per rank, each of
         which reads it from the object store in place."""
-        pool, lease = self.pool, (None, lend)
+        pool, lease = self.pool, {"lease": (None, lend)}
         if pool.handoff and isinstance(data, bytes) and pool.others:  # rank 0 calls the nodes
-            first = pool.nodes[0]
-            root = pool.actors[first.ranks[0]]
-            others = pool.others_for_call()
-            ref = root.run_node.remote(
-                self.call_id, packed_call, data, first.peers, others, lease=lease
-            )
+            first, others = pool.nodes[0], pool.others_for_call()
+            args = (self.call_id, packed_call, data, first.peers, others)
+            ref = pool.actors[first.ranks[0]].run_node.remote(*args, **lease)
             return {ref: Awaited(tuple(range(len(pool.actors))), first.ranks[0])}
         if pool.handoff and isinstance(data, bytes):  # the driver calls each node's first rank
             runs = {}
             for node in pool.nodes:
-                hand = pool.actors[node.ranks[0]]
-                ref = hand.run_node.remote(
-                    self.call_id, packed_call, data, node.peers, (), lease=lease
+                args = (self.call_id, packed_call, data, node.peers, ())
+                runs[pool.actors[node.ranks[0]].run_node.remote(*args, **lease)] = Awaited(
+                    node.ranks, node.ranks[0]
                 )
-                runs[ref] = Awaited(node.ranks, node.ranks[0])
             return runs
         specs = zip(pool.actors, pool.packed_specs, strict=True)
         return {
@@ -286,11 +279,7 @@ class Call:
         states = [self.rank_state(r, stopped=stopped) for r in range(len(self.pool.actors))]
         monitor = None if stopped else self.monitor
         return snapshot(
-            self.share_key,
-            self._started_at,
-            self.pool,
-            states=states,
-            console=self.console,
+            self.share_key, self._started_at, self.pool, states=states, console=self.console,
             monitor=monitor,
         )
 
@@ -382,18 +371,16 @@ class Call:
 
     def _crash(self, rank: int, exc: RayActorError) -> RankFailure:
         """`rank`'s failure: its actor is gone (`exc`, Ray's word on why)."""
-        last_words = self.output.last_words(rank)
-        code = self.output.exit_codes.get(rank)
-        local = self.pool.specs[rank].local_rank
-        info = self.pool.infos[rank]
-        return crash.failure(rank, local, info, exc, exit_code=code, last_words=last_words)
+        said, code = self.output.last_words(rank), self.output.exit_codes.get(rank)
+        local, info = self.pool.specs[rank].local_rank, self.pool.infos[rank]
+        return crash.failure(rank, local, info, exc, exit_code=code, last_words=said)
 
     def _end(self, after_s: float, stall: str | None = None) -> None:
         """Raise JobTimeoutError after `after_s` (or StallError, with its `stall` report),
         with every rank's stack and place."""
         self.console.flush()
-        stacks, where = self.pool.stacks(), self.pool.places()
-        log_dir, earlier = self.console.log_dir, self.earlier
+        stacks, where, log_dir = self.pool.stacks(), self.pool.places(), self.console.log_dir
+        earlier = self.earlier
         if stall is None:
             raise JobTimeoutError(after_s, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
         raise StallError(after_s, stall, stacks, where, log_dir=log_dir, earlier_attempts=earlier)

@@ -8,6 +8,7 @@ replaced. When the runner is no longer referenced, a finalizer releases its pool
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -24,32 +25,29 @@ from orchestrator.connect import cluster
 from orchestrator.errors import BusyError, OrchestratorError, PlacementTimeoutError, StopRequested
 from orchestrator.job import Job
 from orchestrator.options import Options
+from orchestrator.placement import Plan
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
 from orchestrator.show import logs, messages
 from orchestrator.show.logs import Journaling
 from orchestrator.supervise import direct
-from orchestrator.supervise.direct import DirectCall, Leases
 from orchestrator_workers import environment
 from orchestrator_workers.protocol import Payload
 from orchestrator_workers.states import State
 
-Plan = tuple[placement.Request, bool]
-"""What a pool is to hold, and whether it simulates its nodes on one machine."""
-
 
 @dataclass
 class _Entry:
-    """A job queued, with what it runs."""
+    """A job queued, with what it runs; a detached job's: the lease token its start lends
+    its driver (`lend`), or its driver's own call (`direct`): see supervise.direct."""
 
     job: Job[Any]
     shipped: Shipment
     options: Options
     plan: Plan | None
     lend: bytes | None = None
-    """A detached job's: the lease token its start lends its driver (see supervise.direct)."""
-    direct: DirectCall | None = None
-    """A detached job whose driver starts the call itself (see supervise.direct)."""
+    direct: direct.DirectCall | None = None
+
 
 _LINGER_S = 2.0
 """How long the runner thread waits for the next call before it ends."""
@@ -88,7 +86,7 @@ class Runner:
         """The job running now, if any."""
         self.last: Job[Any] | None = None
         """The job submitted last."""
-        self.leases: Leases | None = None
+        self.leases: direct.Leases | None = None
         """A detached function's supervisor's: its drivers' own calls (supervise.direct)."""
         weakref.finalize(self, self._box.release)
         _runners.add(self)
@@ -133,7 +131,7 @@ class Runner:
         in_cell: bool = False,
         journal: Journaling | None = None,
         lend: bytes | None = None,
-        direct: DirectCall | None = None,
+        direct: direct.DirectCall | None = None,
     ) -> Job[Any]:
         """Queue a call packed already (`shipping.pack`, or shipped), as `submit` does; its
         Job.
@@ -142,7 +140,7 @@ class Runner:
         `lend`, `direct`: see `_Entry`.
         """
         self._refuse_if_busy(options)
-        plan = None if self.pool is not None else _plan(options)
+        plan = None if self.pool is not None else placement.plan(options)
         # Now, before returning: the arguments' big tensors are pickled by reference, so a
         # caller changing them after submit() must not change what the ranks get.
         shipped = payload if isinstance(payload, Shipment) else shipping.ship(
@@ -241,26 +239,14 @@ class Runner:
         supervise.direct), which runs first (`entry` goes back to the queue's head)."""
         if self.leases is None:
             return entry
-        first = direct.next_entry(self.leases, self.pool, entry.direct, self._take_queued)
+        take = functools.partial(direct.take_queued, self._wakeup, self._queue)
+        first: _Entry | None = direct.next_entry(self.leases, self.pool, entry.direct, take)
         if first is None:
             return entry
         with self._lock:
             self._queue.appendleft(entry)
             self.current = first.job
         return first
-
-    def _take_queued(self, call_id: bytes, wait_s: float) -> _Entry | None:
-        """The queued job of a driver's call `call_id`, taken from the queue; waits up to
-        `wait_s` for it to come."""
-
-        def find() -> _Entry | None:
-            return next((e for e in self._queue if e.direct and e.direct.call_id == call_id), None)
-
-        with self._lock:
-            found = self._wakeup.wait_for(find, wait_s)
-            if found is not None:
-                self._queue.remove(found)
-            return found
 
     def _execute(self, entry: _Entry) -> None:
         """Run the entry's job: start the pool if needed, call, restart as allowed, settle
@@ -332,18 +318,18 @@ class Runner:
         if self.pool is not None and self.pool.session != cluster.session():
             self._box.pool = None  # its actors ended with an earlier Ray Client session
         if self.pool is None:
-            self._box.pool = self._start(job, plan or _plan(options), shipped.uses_torch)
-            if self.leases is not None:
-                self.leases.outstanding = None  # lent by an earlier pool's rank 0
+            self._box.pool = self._start(job, plan or placement.plan(options), shipped.uses_torch)
         pool = self.pool
         assert pool is not None
-        mine = entry.direct if not earlier else None  # a driver's call: its first attempt
-        how, values = "own", None
+        first = not earlier  # a driver's own call is so only at its first attempt
+        how, values, lend = "own", None, None
         if self.leases is not None:
-            how, values = direct.before_attempt(self.leases, pool, mine, job._stop_requested)
+            how, values, lend = direct.before_attempt(
+                self.leases, pool, entry.direct if first else None,
+                entry.lend if first else None, job._stop_requested,
+            )
             if how == "values":
                 return values  # type: ignore[return-value]
-        lend = entry.lend if how == "own" and not earlier and direct.can_lend(pool) else None
         attempt = call.Call(
             pool,
             shipped,
@@ -355,11 +341,9 @@ class Runner:
             restart_count=len(earlier),
             earlier=earlier,
             job_secret=secret,
-            adopt=mine if how == "adopt" else None,
+            adopt=entry.direct if how == "adopt" else None,
             lend=lend,
         )
-        if self.leases is not None and how == "own":
-            self.leases.outstanding = lend
         job._attempt(attempt)
         return attempt.wait()
 
@@ -405,34 +389,8 @@ def settle(wait_s: float) -> list[str]:
     they were cancelled: their threads leave Ray alone before it shuts down); the names of
     those whose job had not ended by then."""
     deadline = time.monotonic() + wait_s
-    return [
-        runner.name
-        for runner in list(_runners)
-        if not runner._idle(max(0.0, deadline - time.monotonic()))
-    ]
-
-
-def _plan(options: Options) -> Plan:
-    """Connect, lay out the request, fail at once if the cluster can never hold it."""
-    cpus_needed = options.num_replicas * options.cpus_per_replica
-    embedded = cluster.connect(options.address, min_cpus=cpus_needed)
-    nodes = cluster.nodes()
-    simulate = embedded or len(nodes) == 1
-    gpus = options.gpus_per_replica
-    if gpus is None:
-        gpus = 1.0 if any(n.resources.get("GPU", 0) for n in nodes) else 0.0
-    per_node = options.replicas_per_node or placement.default_replicas_per_node(
-        options.num_replicas, gpus, [n.resources for n in nodes]
-    )
-    request = placement.Request(
-        num_replicas=options.num_replicas,
-        replicas_per_node=per_node,
-        cpus_per_replica=options.cpus_per_replica,
-        gpus_per_replica=gpus,
-        resources_per_replica=dict(options.resources_per_replica or {}),
-    )
-    placement.check_feasible(request, [(n.ip, n.resources) for n in nodes], one_node=simulate)
-    return request, simulate
+    runners = list(_runners)
+    return [r.name for r in runners if not r._idle(max(0.0, deadline - time.monotonic()))]
 
 
 def _reclaim_idle(waiting: str) -> None:

@@ -30,6 +30,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,8 @@ class Leases:
         """No token lent yet."""
         self.outstanding: bytes | None = None
         """The token the hand holds (lent by the last start), as far as this side knows."""
+        self.pool: Pool | None = None
+        """The pool whose rank 0 holds it."""
         self._said: dict[bytes, Settled] = {}
         self._taken: dict[bytes, None] = {}
         """Calls a revoke found holding the ranks (the newest 64)."""
@@ -173,6 +176,20 @@ class Leases:
                     return
 
 
+def take_queued(cond: threading.Condition, queue: deque[Any], call_id: bytes, wait_s: float) -> Any:
+    """The entry of driver's call `call_id` in a runner's `queue` (guarded by `cond`, which
+    is notified as entries come), taken out; None where it did not come within `wait_s`."""
+
+    def find() -> Any:
+        return next((e for e in queue if e.direct and e.direct.call_id == call_id), None)
+
+    with cond:
+        found = cond.wait_for(find, wait_s)
+        if found is not None:
+            queue.remove(found)
+        return found
+
+
 def next_entry(
     leases: Leases,
     pool: Pool | None,
@@ -196,12 +213,19 @@ def next_entry(
 
 
 def before_attempt(
-    leases: Leases, pool: Pool, mine: DirectCall | None, stop: threading.Event
-) -> tuple[str, list[Any] | None]:
-    """How the runner's attempt goes, where `mine` is a driver's call (its first attempt):
-    ("values", its results): it succeeded quietly; ("adopt", None): it runs on the ranks,
-    and the runner watches it as its own; ("own", None): the runner starts the call itself,
-    every token taken back first."""
+    leases: Leases,
+    pool: Pool,
+    mine: DirectCall | None,
+    lend: bytes | None,
+    stop: threading.Event,
+) -> tuple[str, list[Any] | None, bytes | None]:
+    """How the runner's attempt on `pool` goes, where `mine` is a driver's call (its first
+    attempt): ("values", its results, None): it succeeded quietly; ("adopt", None, None):
+    it runs on the ranks, and the runner watches it as its own; ("own", None, the token its
+    start lends): the runner starts the call itself, every token taken back first (`lend`:
+    what the job's driver is to be lent)."""
+    if leases.pool is not pool:  # a new pool's rank 0 holds no token
+        leases.pool, leases.outstanding = pool, None
     if mine is not None and (leases.took(mine.call_id) or mine.token == leases.outstanding):
         word = None
         deadline = time.monotonic() + ADOPT_AFTER_S
@@ -210,7 +234,7 @@ def before_attempt(
         if word is not None and word.values is not None:
             leases.outstanding = mine.lend
             pool.use_store(word.next_port, close=False)  # its driver closed the last one
-            return "values", word.values
+            return "values", word.values, None
         ran = leases.took(mine.call_id)
         if not ran and not stop.is_set():  # refused, or running on, or its driver is gone
             used = leases.revoke(pool, mine.token)
@@ -220,9 +244,10 @@ def before_attempt(
         if ran:
             leases.outstanding = mine.lend
             pool.store_port = mine.port
-            return "adopt", None
+            return "adopt", None, None
     leases.clear(pool)
-    return "own", None
+    leases.outstanding = lend if can_lend(pool) else None
+    return "own", None, leases.outstanding
 
 
 class Holder:
