@@ -28,7 +28,7 @@ from orchestrator.connect import discovery, ray_files
 from orchestrator.errors import ConfigError
 from orchestrator.show import logs
 from orchestrator.show.logs import Console
-from orchestrator_workers import handoff, private
+from orchestrator_workers import handoff, private, sockets
 from orchestrator_workers.protocol import OutputChunk, Peer
 from tests.helpers import OTHER, needs_namespaces, readable_by_other_user, sibling_attacks
 
@@ -495,7 +495,7 @@ def test_a_rank_takes_calls_from_its_own_user_alone(processes) -> None:
             sock.settimeout(10)
             sock.connect(f"\0{door.name}")
             with contextlib.suppress(OSError):  # cut off: writing may fail too
-                handoff.send(sock, [b"call", b"spec", b"args", b"code"])
+                sockets.send(sock, [b"call", b"spec", b"args", b"code"])
             try:
                 return b"answered" if sock.recv(1) else b"cut off"
             except OSError as exc:
@@ -574,8 +574,8 @@ def test_a_sibling_container_on_the_node_network_runs_nothing_through_a_door(
         started = time.monotonic()
         hand.start(b"call-1", [me], b"call", b"args")
         assert hand.collect(b"call-1") == ([(0, b"outcome of args")], (), False)
-        assert time.monotonic() - started < handoff.KEY_WAIT_S
-        silent.settimeout(handoff.KEY_WAIT_S + 5)
+        assert time.monotonic() - started < sockets.KEY_WAIT_S
+        silent.settimeout(sockets.KEY_WAIT_S + 5)
         assert silent.recv(1) == b""  # hung up on, within the key's wait
     assert "key" not in repr(door) and door.key.hex() not in repr(me)
 

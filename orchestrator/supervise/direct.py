@@ -72,11 +72,12 @@ class DirectCall:
 
 @dataclass(frozen=True)
 class Settled:
-    """The driver's word on its call: `values` where it succeeded quietly (by rank), with
-    the next call's store port; else the supervisor looks at the hand now (the call was
-    refused, or printed, failed or runs on: it is taken over)."""
+    """The driver's word on its call: where it succeeded quietly, each rank's outcome as
+    the rank pickled it (by rank: the supervisor reads them as it reads those it collects)
+    and the next call's store port; else the supervisor looks at the hand now (the call
+    was refused, or printed, failed or runs on: it is taken over)."""
 
-    values: list[Any] | None = None
+    outcomes: list[bytes] | None = None
     next_port: int | None = None
 
 
@@ -231,10 +232,11 @@ def before_attempt(
         deadline = time.monotonic() + ADOPT_AFTER_S
         while word is None and not stop.is_set() and (left := deadline - time.monotonic()) > 0:
             word = leases.word(mine.call_id, min(left, 0.1))
-        if word is not None and word.values is not None:
+        values = _values(word.outcomes) if word is not None and word.outcomes else None
+        if word is not None and values is not None:
             leases.outstanding = mine.lend
             pool.use_store(word.next_port, close=False)  # its driver closed the last one
-            return "values", word.values, None
+            return "values", values, None
         ran = leases.took(mine.call_id)
         if not ran and not stop.is_set():  # refused, or running on, or its driver is gone
             used = leases.revoke(pool, mine.token)
@@ -316,25 +318,35 @@ class Holder:
             if refused is not None:
                 raise refused
             return None
-        values, next_port, store_open = quiet
-        if store_open:
+        results, raw = quiet
+        if results[0].store_open:
             self._rank0.close_store.remote(lease.port)
-        handle.settle.remote(mine.call_id, wire(Settled(values, next_port)))
+        next_port = results[0].next_master_port
+        handle.settle.remote(mine.call_id, wire(Settled(raw, next_port)))
         self.keep(Lease(lease.pool, lend, next_port or lease.port, lease.gpus))
-        return values
+        return [result.value for result in results]
 
 
-def _quiet(data: bytes, ranks: int) -> tuple[list[Any], int | None, bool] | None:
+def _values(outcomes: list[bytes]) -> list[Any] | None:
+    """The values in the ranks' pickled outcomes; None where one cannot be read here (the
+    supervisor then collects them as for its own call, and fails the job as it would)."""
+    try:
+        return [cloudpickle.loads(raw).value for raw in outcomes]
+    except Exception:  # noqa: BLE001 - said by the call that collects them
+        return None
+
+
+def _quiet(data: bytes, ranks: int) -> tuple[list[RankResult], list[bytes]] | None:
     """A call's outcomes from rank 0's hand, where each of its `ranks` succeeded and printed
-    nothing: its values by rank, the next store port, and whether rank 0's store is open."""
+    nothing: its results by rank, and the same as the ranks pickled them."""
     got = pickle.loads(data)  # noqa: S301 - our rank's
     if got is None or got[1] or got[2] or len(got[0]) != ranks:  # refused, running, failed
         return None
-    results: list[RankResult] = []
+    results: list[tuple[RankResult, bytes]] = []
     for _, raw in got[0]:
         outcome = None if raw is None else cloudpickle.loads(raw)
         if not isinstance(outcome, RankResult) or outcome.output_seq:
             return None  # large (its rank keeps it), failed or printed: the supervisor has it
-        results.append(outcome)
-    results.sort(key=lambda result: result.rank)
-    return [r.value for r in results], results[0].next_master_port, results[0].store_open
+        results.append((outcome, raw))
+    results.sort(key=lambda pair: pair[0].rank)
+    return [result for result, _ in results], [raw for _, raw in results]
