@@ -2,10 +2,14 @@
 
 Between calls the next call's port is only reserved: bound on the node's IP, not
 listening, so a connection there is refused. As a call starts the socket listens, and
-torch's TCPStore takes it over: at once where torch is loaded already, else when the
-first rank connects (a job that never rendezvous never imports torch). The kernel
-queues early connections meanwhile. The store closes when the driver says every rank of
-the call is done.
+torch's TCPStore takes it over when the first rank connects: a call that never
+rendezvous makes no store (nor imports torch). The kernel queues early connections
+meanwhile. The store closes when the driver says every rank of the call is done.
+
+Made at once (where torch was loaded), a store per call cost a loop of quick calls 5 s
+every 25 to 50 calls: torch 2.14's TCPStore client (the server's own among them) waits
+5 s to connect once some 25 were made in one process within seconds (`connect` in
+torch's log: found on this project's 2-core test machine; plain sockets do not).
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import contextlib
 import os
 import select
 import socket
-import sys
 import threading
 from typing import Any
 
@@ -113,17 +116,14 @@ class StoreServer:
     """One call's rendezvous store, serving on a reserved socket (see the module)."""
 
     def __init__(self, sock: socket.socket) -> None:
-        """Listen on `sock` now; make torch's store now or on the first connection."""
+        """Listen on `sock` now; make torch's store on the first connection."""
         sock.listen(128)
         self.port = int(sock.getsockname()[1])
         self._sock: socket.socket | None = sock
         self._store: Any = None
         self._closed = False
         self._lock = threading.Lock()
-        if "torch.distributed" in sys.modules:
-            self._make()
-        else:
-            _watcher.watch(self)
+        _watcher.watch(self)
 
     @property
     def made(self) -> bool:
