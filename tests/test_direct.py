@@ -62,8 +62,10 @@ def _warm(fn: Any) -> None:
 def test_a_warm_call_goes_to_the_ranks_directly_and_is_kept_as_any_detached_job(
     cluster, monkeypatch, tmp_path
 ):
+    """queue=False: a call's notice may come while the supervisor still files the last
+    call's results; it is never refused as busy (the call runs already)."""
     with distribute(rank_and, **LAYOUT,
-                    address=cluster.address, max_restarts=1) as fn:
+                    address=cluster.address, max_restarts=1, queue=False) as fn:
         _warm(fn)
         sent = _sends(monkeypatch)
         ids = []

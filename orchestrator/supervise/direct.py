@@ -314,9 +314,10 @@ class Holder:
             if quiet is None:  # the supervisor looks at the hand now
                 handle.settle.remote(mine.call_id, wire(Settled()))
         if quiet is None:
-            refused = unwire(ray.get(noticed, timeout=NOTICE_WAIT_S * 4))
-            if refused is not None:
-                raise refused
+            with contextlib.suppress(GetTimeoutError):  # slow to answer: followed all the same
+                refused = unwire(ray.get(noticed, timeout=NOTICE_WAIT_S * 4))
+                if refused is not None:
+                    raise refused
             return None
         results, raw = quiet
         if results[0].store_open:
@@ -344,7 +345,10 @@ def _quiet(data: bytes, ranks: int) -> tuple[list[RankResult], list[bytes]] | No
         return None
     results: list[tuple[RankResult, bytes]] = []
     for _, raw in got[0]:
-        outcome = None if raw is None else cloudpickle.loads(raw)
+        try:
+            outcome = None if raw is None else cloudpickle.loads(raw)
+        except Exception:  # noqa: BLE001 - the supervisor's follower says it as its own
+            return None
         if not isinstance(outcome, RankResult) or outcome.output_seq:
             return None  # large (its rank keeps it), failed or printed: the supervisor has it
         results.append((outcome, raw))

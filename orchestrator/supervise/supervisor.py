@@ -18,7 +18,7 @@ import contextlib
 import threading
 import time
 from concurrent.futures import CancelledError
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -166,6 +166,7 @@ class Supervisor:
         Shipment, uses_torch, options, DirectCall), wired; kept as any job. None, or the
         error that refused it, wired."""
         record, shipped, uses_torch, options, call = unwire(packed)
+        options = replace(options, queue=True)  # it runs already: never refused as busy
         try:
             self._submit(record, shipped, uses_torch, options, call=call)
         except Exception as exc:  # noqa: BLE001 - raised in the driver
