@@ -107,19 +107,18 @@ class Call:
         self.stop = stop or threading.Event()
         self.earlier = tuple(earlier)
         self.share_key = adopt.call_id.decode() if adopt else uuid.uuid4().hex[:16]
-        call = CallSpec(
-            master_port=pool.store_port,
-            restart_count=restart_count,
-            max_restarts=options.max_restarts,
-            share_key=self.share_key,
-            uses_torch=shipped.uses_torch or pool.request.gpus_per_replica > 0,
-            watched=options.stall_after is not None,
-            job_secret=job_secret,
-        )
         self.call_id = self.share_key.encode()
-        packed_call, everyone = pickle.dumps(call), Awaited(tuple(range(len(pool.actors))), 0)
-        self.runs = self._start(packed_call, shipped.data, lend) if adopt is None else {
-            pool.actors[0].collect.remote(self.call_id): everyone}  # started by its driver
+        if adopt is not None:  # started by its driver: its outcomes are collected at rank 0
+            everyone = Awaited(tuple(range(len(pool.actors))), 0)
+            self.runs = {pool.actors[0].collect.remote(self.call_id): everyone}
+        else:
+            call = CallSpec(
+                master_port=pool.store_port, restart_count=restart_count,
+                max_restarts=options.max_restarts, share_key=self.share_key,
+                uses_torch=shipped.uses_torch or pool.request.gpus_per_replica > 0,
+                watched=options.stall_after is not None, job_secret=job_secret,
+            )
+            self.runs = self._start(pickle.dumps(call), shipped.data, lend)
         """The Ray tasks in flight that bring ranks' outcomes, and whose."""
         self.output = CallOutput(pool, self.console)
         self.next_port: int | None = None

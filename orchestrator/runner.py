@@ -8,7 +8,6 @@ replaced. When the runner is no longer referenced, a finalizer releases its pool
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -38,15 +37,14 @@ from orchestrator_workers.states import State
 
 @dataclass
 class _Entry:
-    """A job queued, with what it runs; a detached job's: the lease token its start lends
-    its driver (`lend`), or its driver's own call (`direct`): see supervise.direct."""
+    """A job queued and what it runs (a detached job's `lend`, `driver_call`: supervise.direct)."""
 
     job: Job[Any]
     shipped: Shipment
     options: Options
     plan: Plan | None
     lend: bytes | None = None
-    direct: direct.DirectCall | None = None
+    driver_call: direct.DirectCall | None = None
 
 
 _LINGER_S = 2.0
@@ -98,7 +96,7 @@ class Runner:
 
     def busy_with(self) -> Job[Any] | None:
         """The job that runs or waits on this function now, if any."""
-        waiting = [entry.job for entry in self._queue if not entry.job.done()]
+        waiting = [e.job for e in tuple(self._queue) if not e.job.done()]  # its thread moves them
         current = self.current if self.current is not None and not self.current.done() else None
         return current or (waiting[0] if waiting else None)
 
@@ -131,13 +129,13 @@ class Runner:
         in_cell: bool = False,
         journal: Journaling | None = None,
         lend: bytes | None = None,
-        direct: direct.DirectCall | None = None,
+        driver_call: direct.DirectCall | None = None,
     ) -> Job[Any]:
         """Queue a call packed already (`shipping.pack`, or shipped), as `submit` does; its
         Job.
 
         `journal`: where the job's output is recorded too (a detached job's supervisor);
-        `lend`, `direct`: see `_Entry`.
+        `lend`, `driver_call`: see `_Entry`.
         """
         self._refuse_if_busy(options)
         plan = None if self.pool is not None else placement.plan(options)
@@ -159,7 +157,7 @@ class Runner:
             except BusyError:
                 job._discard()
                 raise
-            self._queue.append(_Entry(job, shipped, options, plan, lend, direct))
+            self._queue.append(_Entry(job, shipped, options, plan, lend, driver_call))
             self.last = job
             self._wakeup.notify()
             if self._thread is None:
@@ -177,7 +175,8 @@ class Runner:
     def stop(self, job: Job[Any]) -> None:
         """Withdraw a queued `job`, or kill its ranks if it runs (a waiting one sees its flag)."""
         with self._lock:
-            self._queue = deque(entry for entry in self._queue if entry.job is not job)
+            for entry in [e for e in self._queue if e.job is job]:  # in place: see _direct_first
+                self._queue.remove(entry)
             pool = self.pool if job is self.current else None
             if pool is not None:
                 self._box.pool = None  # never hand a killed pool to the next call
@@ -186,6 +185,9 @@ class Runner:
 
     def release_if_idle(self, reason: str) -> bool:
         """Release the warm pool if no call runs or waits on it; True if released."""
+        leases, pool, idle = self.leases, self.pool, self.current is None and not self._queue
+        if leases is not None and pool is not None and idle and leases.revoke(pool) is not None:
+            return False  # a driver's own call holds the ranks: its job comes
         with self._lock:
             pool = self.pool
             if pool is None or self.current is not None or self._queue:
@@ -235,12 +237,11 @@ class Runner:
                     self._wakeup.notify_all()  # for `settle`
 
     def _direct_first(self, entry: _Entry) -> _Entry:
-        """`entry`, or the job of a driver's call that holds the ranks now (see
-        supervise.direct), which runs first (`entry` goes back to the queue's head)."""
+        """`entry`, or first the job of a driver's call that holds the ranks (supervise.direct)."""
         if self.leases is None:
             return entry
-        take = functools.partial(direct.take_queued, self._wakeup, self._queue)
-        first: _Entry | None = direct.next_entry(self.leases, self.pool, entry.direct, take)
+        first: _Entry | None = direct.next_entry(self.leases, self.pool, entry.driver_call,
+                                                 self._wakeup, self._queue)
         if first is None:
             return entry
         with self._lock:
@@ -257,7 +258,7 @@ class Runner:
         job, options, plan = entry.job, entry.options, entry.plan
         earlier: list[BaseException] = []
         # The job's, for all its attempts (its ranks' snapshots); a driver's call brings its own.
-        secret = entry.direct.secret if entry.direct is not None else os.urandom(32)
+        secret = entry.driver_call.secret if entry.driver_call is not None else os.urandom(32)
         while not job._stop_requested.is_set():
             try:
                 value = self._attempt(entry, plan, earlier, secret=secret)
@@ -325,7 +326,7 @@ class Runner:
         how, values, lend = "own", None, None
         if self.leases is not None:
             how, values, lend = direct.before_attempt(
-                self.leases, pool, entry.direct if first else None,
+                self.leases, pool, entry.driver_call if first else None,
                 entry.lend if first else None, job._stop_requested,
             )
             if how == "values":
@@ -341,7 +342,7 @@ class Runner:
             restart_count=len(earlier),
             earlier=earlier,
             job_secret=secret,
-            adopt=entry.direct if how == "adopt" else None,
+            adopt=entry.driver_call if how == "adopt" else None,
             lend=lend,
         )
         job._attempt(attempt)

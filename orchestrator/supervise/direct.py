@@ -31,7 +31,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,7 +181,8 @@ def take_queued(cond: threading.Condition, queue: deque[Any], call_id: bytes, wa
     is notified as entries come), taken out; None where it did not come within `wait_s`."""
 
     def find() -> Any:
-        return next((e for e in queue if e.direct and e.direct.call_id == call_id), None)
+        calls = (e for e in queue if e.driver_call and e.driver_call.call_id == call_id)
+        return next(calls, None)
 
     with cond:
         found = cond.wait_for(find, wait_s)
@@ -195,18 +195,19 @@ def next_entry(
     leases: Leases,
     pool: Pool | None,
     own: DirectCall | None,
-    take_queued: Callable[[bytes, float], Any],
+    cond: threading.Condition,
+    queue: deque[Any],
 ) -> Any | None:
     """Before the runner starts a job on `pool` (`own`: the driver's call the job is, if
-    any): None, go on; or the queued entry of a driver's call that holds the ranks now, to
-    run first, found by `take_queued(call_id, wait_s)`."""
+    any): None, go on; or the entry of a driver's call that holds the ranks now, taken
+    from the runner's `queue` (see `take_queued`), to run first."""
     while pool is not None and leases.outstanding is not None:
         if own is not None and own.token == leases.outstanding:
             return None  # its driver's word decides (see `before_attempt`)
         used = leases.revoke(pool)
         if used is None:
             return None
-        entry = take_queued(used[0], NOTICE_WAIT_S)
+        entry = take_queued(cond, queue, used[0], NOTICE_WAIT_S)
         if entry is not None:
             return entry
         leases.orphan(pool, used[0])

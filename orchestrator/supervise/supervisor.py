@@ -213,7 +213,7 @@ class Supervisor:
         try:
             journal = Journal(options.num_replicas)
             job = self._runner.submit_packed(
-                payload, uses_torch, options, journal=journal, lend=lend, direct=call
+                payload, uses_torch, options, journal=journal, lend=lend, driver_call=call
             )
             job.add_done_callback(lambda _: journal.close())  # after its last output is in
         except BaseException:
@@ -346,10 +346,9 @@ class Supervisor:
                 self._idle_since = now
                 continue
             idle_timeout = self.options.idle_timeout
-            pool, leases = self._runner.pool, self._runner.leases
-            if pool is not None and (self._release_now or now - self._idle_since >= idle_timeout):
-                if leases is not None and leases.revoke(pool) is not None:
-                    continue  # a driver's own call took the ranks: its notice comes
+            if self._runner.pool is not None and (
+                self._release_now or now - self._idle_since >= idle_timeout
+            ):
                 self._runner.release_if_idle(f"no call for {now - self._idle_since:.0f} s")
             if self._runner.pool is None and self._submitted:  # no pool for a later driver
                 registry.forget_pool(self._pool_key, self._actor_name)
