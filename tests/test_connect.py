@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -142,23 +146,21 @@ def test_only_a_grpc_answer_counts_as_ray(status: str, content_type: str, answer
         ("ray://", "", "refused a driver without its token"),
         ("ray://", "t0", "refused this driver's Ray token"),
         ("", "t0", "refused this driver's Ray token"),
-        ("", "", None),  # a GCS: left to Ray, which may find the local runtime's token
+        ("", "", "refused a driver without its token"),  # a GCS: Ray would retry for 20 s
     ],
 )
 def test_a_server_that_refuses_the_token_is_said_so_at_once(
-    monkeypatch, scheme: str, token: str, said: str | None
+    monkeypatch, scheme: str, token: str, said: str
 ) -> None:
     """gRPC's UNAUTHENTICATED: Ray's own connect would wait 30 s, then say "connection
-    timeout" (through ray://)."""
+    timeout" (through ray://), or retry for 20 s and fail with its raw ConnectionError."""
     from orchestrator import _ray_compat
 
     headers = {"authorization": f"Bearer {token}"} if token else {}
     monkeypatch.setattr(_ray_compat, "auth_headers", lambda: headers)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # chosen: no token at hand is looked for
     with http2_server("200", "application/grpc", grpc_status="16") as address:
         found = probe.problem(scheme + address)
-        if said is None:
-            assert found is None
-            return
         assert found is not None and found.startswith(said), found
         with pytest.raises(ClusterUnreachableError, match="the cluster's token") as raised:
             probe.check_reachable(scheme + address, "address")
@@ -235,3 +237,71 @@ def test_a_call_between_two_ray_client_sessions_counts_as_a_lost_session(monkeyp
     void = Exception("Can't run an actor the server doesn't have a handle for")
     assert cluster.void_handle(void) and not cluster.lost_session(void)
     assert not cluster.void_handle(RuntimeError("the rank's own error"))
+
+
+TOKEN_AT_HAND = textwrap.dedent("""\
+    import sys, time
+    from orchestrator import ClusterUnreachableError, distribute
+
+    def rank():
+        import os
+        return int(os.environ["RANK"])
+
+    started = time.monotonic()
+    try:
+        print("ranks", distribute(rank, num_replicas=2, address=sys.argv[1])(), flush=True)
+    except ClusterUnreachableError as exc:
+        print("unreachable", exc, flush=True)
+    print(f"took {time.monotonic() - started:.1f}", flush=True)
+""")
+
+
+def test_ray_start_head_then_an_address_just_works_with_the_token_at_hand(processes, tmp_path):
+    """`ray start --head` where ~/.ray/auth_token exists turns token authentication on;
+    Ray's driver sends the token only with RAY_AUTH_MODE=token, and without it retries for
+    20 s, then fails with Ray's raw ConnectionError. The user's own token is sent; a driver
+    without one is told what to set, from the probe's answer, not Ray's retries."""
+    home, empty = tmp_path / "home", tmp_path / "empty"
+    temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # Ray's socket paths: 107 bytes
+    for folder in (home / ".ray", empty):
+        folder.mkdir(parents=True, mode=0o700)
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    env = {k: v for k, v in _env().items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), RAY_TMPDIR=str(temp), ORCHESTRATOR_LOG_DIR=str(tmp_path / "logs"))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen(
+        [ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+         "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats"],
+        env={**env, "RAY_AUTH_MODE": "token"},  # its own drain at SIGTERM needs it too
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "head.log").open("w"),
+    )  # fmt: skip
+    script = tmp_path / "driver.py"
+    script.write_text(TOKEN_AT_HAND)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not (temp / "ray" / "ray_current_cluster").exists():  # written once all is up
+            assert head.poll() is None and time.monotonic() < deadline, "ray start failed"
+            time.sleep(0.2)
+        runs = {
+            who: subprocess.run(
+                [sys.executable, str(script), address], env={**env, "HOME": str(where)},
+                cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+            )
+            for who, where in (("owner", home), ("stranger", empty))
+        }  # fmt: skip
+    finally:
+        head.terminate()
+        head.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
+    owner, stranger = runs["owner"], runs["stranger"]
+    assert "ranks [0, 1]" in owner.stdout, owner.stdout + owner.stderr
+    assert "InvalidAuthToken" not in owner.stderr, owner.stderr
+    said = stranger.stdout.splitlines()[0]
+    assert said.startswith(f"unreachable the Ray cluster at address='{address}' refused a "
+                           "driver without its token"), stranger.stdout + stranger.stderr
+    assert "~/.ray/auth_token" in said and "RAY_AUTH_TOKEN" in said
+    assert "gcs_client.cc" not in stranger.stderr, stranger.stderr  # none of Ray's retries

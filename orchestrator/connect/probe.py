@@ -11,6 +11,7 @@ import socket
 import time
 from typing import TYPE_CHECKING
 
+from orchestrator.connect import tokens
 from orchestrator.errors import ClusterUnreachableError
 
 if TYPE_CHECKING:
@@ -46,7 +47,20 @@ def check_reachable(address: str, given_as: str) -> None:
 
 
 def problem(address: str) -> str | None:
-    """Why no Ray server answers at `address`, asked within seconds; None where one does."""
+    """Why no Ray server answers at `address`, asked within seconds; None where one does.
+
+    Where it refuses a driver without a token, this user's token at hand (Ray's token mode
+    off) is sent from then on, and asked with: Ray's driver would retry for 20 s, then fail.
+    """
+    why = _answer(address)
+    if why == _NO_TOKEN and tokens.send_token_at_hand():
+        why = _answer(address)
+        if why is not None:
+            tokens.withdraw_token()
+    return why
+
+
+def _answer(address: str) -> str | None:
     scheme, _, host_port = address.rpartition("://")
     host, colon, port = host_port.rpartition(":")
     if not colon or not port.isdigit():
@@ -138,7 +152,7 @@ def _rpc_answer(
                 headers += payload
             if kind in (1, 9) and flags & 0x4:  # END_HEADERS
                 decoder = hpack.Decoder()
-                return _grpc_headers(decoder, headers, sent_token=bool(token), client=client)
+                return _grpc_headers(decoder, headers, sent_token=bool(token))
     return "no answer to a gRPC call"
 
 
@@ -160,30 +174,32 @@ def _request_headers(path: bytes, authority: str, token: dict[str, str]) -> byte
     return bytes(hpack.Encoder().encode(fields))
 
 
-def _grpc_headers(
-    decoder: hpack.Decoder, block: bytes, *, sent_token: bool, client: bool
-) -> str | None:
+_NO_TOKEN = (
+    f"{REFUSED} a driver without its token (Ray's token authentication is on there), and "
+    "this user has none at hand: put the cluster's token (`ray get-auth-token` on its head "
+    "prints it) in ~/.ray/auth_token, in RAY_AUTH_TOKEN, or in the file RAY_AUTH_TOKEN_PATH "
+    "names"
+)
+"""What a server that refused a call without a token said (the token at hand is sent next)."""
+
+
+def _grpc_headers(decoder: hpack.Decoder, block: bytes, *, sent_token: bool) -> str | None:
     """None if the header `block` is a gRPC answer's; else what it says instead (starting
-    with REFUSED where the answer refuses the token sent, or, from Ray Client's server
-    (`client`), the lack of one: a GCS's refusal of none is left to Ray, which may yet
-    find the token, the local runtime's say)."""
+    with REFUSED where the answer refuses the token sent, or the lack of one)."""
     try:
         fields = {str(name): str(value) for name, value in decoder.decode(block, raw=False)}
     except Exception:  # noqa: BLE001 - hpack's errors: not an answer we can read
         return "headers that are not HTTP/2's"
     status, kind = fields.get(":status", "?"), fields.get("content-type", "none")
     if status == "200" and kind.startswith("application/grpc"):
-        if fields.get("grpc-status") != _UNAUTHENTICATED or not (sent_token or client):
+        if fields.get("grpc-status") != _UNAUTHENTICATED:
             return None
-        if sent_token:
-            return (
-                f"{REFUSED} this driver's Ray token: give the cluster's token (the "
-                "one its nodes were started with) in RAY_AUTH_TOKEN, or in the file "
-                "RAY_AUTH_TOKEN_PATH names"
-            )
+        if not sent_token:
+            return _NO_TOKEN
         return (
-            f"{REFUSED} a driver without its token (Ray's token authentication is "
-            "on there): set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN "
-            "(or in the file RAY_AUTH_TOKEN_PATH names)"
+            f"{REFUSED} this driver's Ray token ({tokens.where_from()}): give the cluster's "
+            "token (the one its head was started with: `ray get-auth-token` there prints "
+            "it) in RAY_AUTH_TOKEN, in the file RAY_AUTH_TOKEN_PATH names, or in "
+            "~/.ray/auth_token"
         )
     return f"it answered a gRPC call with HTTP status {status}, content-type {kind}"

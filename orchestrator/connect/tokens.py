@@ -51,3 +51,47 @@ def local_token(address: str) -> None:
     if record is not None and record.auth == "token" and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
         _ray_compat.reload_auth_mode()  # Ray read its config at import
+
+
+_sent_at_hand = False
+"""Whether `send_token_at_hand` turned Ray's token mode on in this process."""
+
+
+def send_token_at_hand() -> bool:
+    """Send this user's token from now on, where one is at hand and Ray's token mode was
+    not chosen: True if Ray now finds one to send.
+
+    A cluster started with `ray start --head` where ~/.ray/auth_token exists runs with
+    token authentication, but Ray's drivers send the token only in token mode
+    (RAY_AUTH_MODE=token): without it they retry for 20 s, then fail. Ray's own loader
+    looks where it would in that mode: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH,
+    ~/.ray/auth_token. A mode the user set (`disabled` too) is left as it is.
+    """
+    global _sent_at_hand  # noqa: PLW0603 - Ray's mode is one per process
+    if os.environ.get("RAY_AUTH_MODE"):
+        return False
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if _ray_compat.reload_auth_mode() and _ray_compat.auth_headers():
+        _sent_at_hand = True
+        return True
+    del os.environ["RAY_AUTH_MODE"]
+    _ray_compat.reload_auth_mode()
+    return False
+
+
+def withdraw_token() -> None:
+    """Undo `send_token_at_hand` (the cluster refused that token too)."""
+    global _sent_at_hand  # noqa: PLW0603 - Ray's mode is one per process
+    if _sent_at_hand and os.environ.get("RAY_AUTH_MODE") == "token":
+        del os.environ["RAY_AUTH_MODE"]
+        _ray_compat.reload_auth_mode()
+    _sent_at_hand = False
+
+
+def where_from() -> str:
+    """Where Ray took this process's token from, as a user would look for it."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if custom := os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH={custom}"
+    return "~/.ray/auth_token"
