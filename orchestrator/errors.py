@@ -30,11 +30,14 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
+from orchestrator import logfiles
+from orchestrator.logfiles import read_log
 from orchestrator.show.text import describe_rank
 from orchestrator_workers.protocol import RankFailure
 
@@ -155,8 +158,6 @@ class DistributedError(OrchestratorError):
         """Everything rank `rank` wrote during the failed call."""
         if self.log_dir is None:
             raise FileNotFoundError("this call kept no log files (log_dir=False)")
-        from orchestrator.show.logs import read_log  # errors sit below what shows them
-
         return read_log(self.log_dir, rank)
 
 
@@ -302,12 +303,26 @@ def distributed_error(
     log_dir: Path | None = None,
     earlier_attempts: Sequence[BaseException] = (),
 ) -> DistributedError:
-    """A DistributedError for `failures`, also an instance of the root cause's type."""
+    """A DistributedError for `failures`, also an instance of the root cause's type; what
+    torch's `record` wrote for a rank is kept beside its log in `log_dir`."""
+    failures = [_keep_error_file(failure, log_dir) for failure in failures]
     cls = _error_class(_load_exception(order_failures(failures)[0]))
     try:
         return cls(failures, log_dir=log_dir, earlier_attempts=earlier_attempts)
     except Exception:  # noqa: BLE001 - a type with an unusual __new__: a plain error
         return DistributedError(failures, log_dir=log_dir, earlier_attempts=earlier_attempts)
+
+
+def _keep_error_file(failure: RankFailure, log_dir: Path | None) -> RankFailure:
+    """`failure` naming its error file where it outlives the rank: the copy kept in the
+    call's log folder (the rank's own is removed with it, and named a path that meant
+    something in that process alone)."""
+    if not failure.error_json:
+        return failure
+    kept = logfiles.keep_error_file(log_dir, failure.rank, failure.error_json)
+    if not kept:
+        kept = "(not kept: log_dir=False)" if log_dir is None else f"(not kept in {log_dir})"
+    return replace(failure, error_file=kept, error_json=b"")
 
 
 def _load_exception(failure: RankFailure) -> BaseException | None:

@@ -17,6 +17,7 @@ from typing_extensions import Unpack
 from orchestrator import runner, shipping
 from orchestrator.connect import cluster
 from orchestrator.job import Job, stop_all
+from orchestrator.logfiles import read_log
 from orchestrator.options import (
     DEFAULT_PREFIX,
     RETENTION_S,
@@ -26,7 +27,6 @@ from orchestrator.options import (
 )
 from orchestrator.runner import Runner
 from orchestrator.show import messages, notebook
-from orchestrator.show.logs import read_log
 from orchestrator.supervise.detached import Detached
 from orchestrator.supervise.follow import READ_WAIT_S, FollowedJob, stop_following
 

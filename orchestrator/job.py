@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator.errors import describe, summary
+from orchestrator.logfiles import read_log
 from orchestrator.show import messages
-from orchestrator.show.logs import read_log
 from orchestrator.show.notebook import CellOutput, RankRow, Table
 from orchestrator.show.summary import SUMMARY_FROM_RANKS, states_line
 from orchestrator.show.text import rank_label

@@ -19,6 +19,7 @@ from typing_extensions import Unpack
 
 from orchestrator import placement
 from orchestrator.errors import ConfigError
+from orchestrator.logfiles import unsafe_log_dir
 from orchestrator.runtime_env import problems as runtime_env_problems
 from orchestrator_workers import private
 
@@ -33,15 +34,6 @@ RETENTION_S = 7 * 24 * 3600.0
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-def unsafe_log_dir(base: Path, why: str) -> str:
-    """What to say of a log folder another user could reach into."""
-    return (
-        f"log_dir={str(base)!r}: {why}, so another user could read or replace the ranks' "
-        "logs; give a folder of your own (the default is ~/.cache/orchestrator/logs), "
-        "or log_dir=False"
-    )
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from orchestrator import call, placement, restart, shipping
+from orchestrator import call, logfiles, placement, restart, shipping
 from orchestrator.connect import cluster
 from orchestrator.errors import BusyError, OrchestratorError, PlacementTimeoutError, StopRequested
 from orchestrator.job import Job
@@ -27,7 +27,7 @@ from orchestrator.options import Options
 from orchestrator.placement import Plan
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
-from orchestrator.show import logs, messages
+from orchestrator.show import messages
 from orchestrator.show.logs import Journaling
 from orchestrator.supervise import direct
 from orchestrator_workers import environment
@@ -145,7 +145,7 @@ class Runner:
             payload, uses_torch=uses_torch
         )
         folder = options.log_folder
-        log_dir = logs.call_folder(folder, self.name) if folder is not None else None
+        log_dir = logfiles.call_folder(folder, self.name) if folder is not None else None
         job: Job[Any] = Job(
             self.name, options.num_replicas, self.stop, log_dir=log_dir, in_cell=in_cell,
             owner=owner,

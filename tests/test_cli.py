@@ -11,6 +11,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -404,3 +406,8 @@ def test_torchrun_s_contract_variables_and_record_reports(processes, tmp_path):
     assert first.endswith("raised ValueError: bad shard 7"), report  # record's message
     assert when.startswith("  time      : 20") and "error_file: " in where, report
     assert 'contract.py", line 11, in main' in report and "in wrapper" in report, report
+    # Kept beside the rank's log, as torchrun's stays on disk (the rank's own is gone).
+    kept = Path(where.split("error_file: ", 1)[1])
+    assert kept.name == "rank-1.error.json" and (kept.parent / "rank-1.log").exists(), report
+    assert json.loads(kept.read_text())["message"]["message"].endswith("bad shard 7")
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600

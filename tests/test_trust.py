@@ -23,10 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import distribute, testing
+from orchestrator import distribute, logfiles, testing
 from orchestrator.connect import discovery, ray_files
 from orchestrator.errors import ConfigError
-from orchestrator.show import logs
 from orchestrator.show.logs import Console
 from orchestrator_workers import handoff, private, sockets
 from orchestrator_workers.protocol import OutputChunk, Peer
@@ -244,11 +243,11 @@ def test_a_call_s_log_folder_is_new_unguessable_and_its_files_made_new(
     shared = open_dir / "logs"
     shared.mkdir()
     shared.chmod(0o1777)
-    first, second = logs.call_folder(shared, "train"), logs.call_folder(shared, "train")
+    first, second = logfiles.call_folder(shared, "train"), logfiles.call_folder(shared, "train")
     assert not first.exists()  # made on the first line written: a quiet call leaves none
-    logs.make_call_folder(first)
-    logs.make_call_folder(second)
-    logs.make_call_folder(first)  # a restart's attempt finds its own
+    logfiles.make_call_folder(first)
+    logfiles.make_call_folder(second)
+    logfiles.make_call_folder(first)  # a restart's attempt finds its own
     assert first != second and first.parent == second.parent == shared / "train"
     assert stat.S_IMODE(first.stat().st_mode) == 0o700
     assert len(first.name.rsplit("-", 1)[1]) == 16  # 64 random bits

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import replace
 
 import cloudpickle
 import ray
@@ -290,18 +289,7 @@ class RankActor:
             _destroy_process_group()
             self._unblock()  # what gloo keeps open: peers waiting on this rank fail now
             failure = self._failure(exc, when, setup=False)
-            report = elastic.read(error_file, started)
-            if report is None:
-                return failure
-            message = report.message.removeprefix(f"{type(exc).__name__}: ")
-            # What torch's `record` wrote, as torchrun reports it (the time stays ours:
-            # `record` keeps whole seconds, too coarse to tell which rank failed first).
-            return replace(
-                failure,
-                message=message or failure.message,
-                traceback=report.traceback or failure.traceback,
-                error_file=report.path,
-            )
+            return elastic.reported(failure, error_file, started, type(exc).__name__)
         if sampler is not None:
             sampler.end()
         _destroy_process_group()

@@ -11,10 +11,10 @@ import contextlib
 import json
 import os
 import stat
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 from orchestrator_workers import private
+from orchestrator_workers.protocol import RankFailure
 
 VAR = "TORCHELASTIC_ERROR_FILE"
 
@@ -105,6 +105,13 @@ class ErrorReport:
     timestamp: float
     traceback: str
     path: str
+    raw: bytes = b""
+    """The file as torch wrote it (at most `KEPT_BYTES`): the driver keeps it beside the
+    rank's log, where it outlives the rank, as torchrun's does."""
+
+
+KEPT_BYTES = 1 << 20
+"""The most of an error file a rank sends the driver."""
 
 
 def read(path: str, since: float) -> ErrorReport | None:
@@ -114,16 +121,37 @@ def read(path: str, since: float) -> ErrorReport | None:
     try:
         if os.stat(path).st_mtime < since - 1:  # whole seconds: torch writes int timestamps
             return None
-        data = json.loads(Path(path).read_text(encoding="utf-8", errors="replace"))
+        with open(path, "rb") as written:
+            raw = written.read(KEPT_BYTES + 1)
+        data = json.loads(raw.decode("utf-8", errors="replace"))
+        kept = raw if len(raw) <= KEPT_BYTES else b""  # cut short, it is no JSON
         message = data["message"]
         if isinstance(message, str):  # an older torch's flat layout
-            return ErrorReport(message, float(data.get("timestamp", 0)), "", path)
+            return ErrorReport(message, float(data.get("timestamp", 0)), "", path, kept)
         extra = message.get("extraInfo", {})
         return ErrorReport(
             str(message.get("message", "")),
             float(extra.get("timestamp", 0)),
             str(extra.get("py_callstack", "")),
             path,
+            kept,
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def reported(failure: RankFailure, path: str, since: float, exc_name: str) -> RankFailure:
+    """`failure` as torch's `record` reported it in the error file at `path`, where it
+    wrote one at `since` or later (as torchrun's root-cause summary reads it)."""
+    report = read(path, since)
+    if report is None:
+        return failure
+    # The time stays ours: `record` keeps whole seconds, too coarse to tell which rank
+    # failed first.
+    return replace(
+        failure,
+        message=report.message.removeprefix(f"{exc_name}: ") or failure.message,
+        traceback=report.traceback or failure.traceback,
+        error_file=report.path,
+        error_json=report.raw,
+    )

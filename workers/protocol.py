@@ -173,7 +173,10 @@ class RankFailure:
     """Seq of the last output chunk written before the failure was reported."""
     error_file: str = ""
     """The torchelastic error file the message, time and traceback were read from, if the
-    rank's entry point used torch's `record` (as torchrun's root-cause summary does)."""
+    rank's entry point used torch's `record` (as torchrun's root-cause summary does): on
+    the driver, the copy kept beside the rank's log (`error_json` written there)."""
+    error_json: bytes = field(default=b"", repr=False)
+    """What torch wrote there, sent for the driver to keep (b"" once it is kept)."""
 
 
 @dataclass(frozen=True)

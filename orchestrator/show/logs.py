@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import codecs
-import contextlib
 import os
-import secrets
-import stat
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -14,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from orchestrator.options import DEFAULT_PREFIX, unsafe_log_dir
+from orchestrator.logfiles import log_name, make_call_folder, open_log
+from orchestrator.options import DEFAULT_PREFIX
 from orchestrator.show import messages
 from orchestrator.show.fold import Folded, Folder, fold_by_default
 from orchestrator.show.text import rank_label
-from orchestrator_workers import private
 from orchestrator_workers.protocol import RAY_MARKERS, OutputChunk
 
 PARTIAL_DELAY_S = 0.2
@@ -196,7 +193,7 @@ class Console:
             assert self.log_dir is not None
             if not self._files:  # the first file of this attempt: its folder first
                 make_call_folder(self.log_dir)
-            fd = _open_log(self.log_dir / f"rank-{rank}.log")
+            fd = open_log(self.log_dir / log_name(rank))
             self._files[rank] = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed by close_logs
         return self._files[rank]
 
@@ -321,69 +318,3 @@ def _is_tty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
-
-
-def call_folder(base: Path, name: str) -> Path:
-    """Where one call's rank logs go, in `base`/`name`: a new name (64 random bits) that
-    nobody can guess. Made on the first line written (`make_call_folder`): a call that
-    prints nothing leaves no folder."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(os.path.realpath(base / name)) / f"{stamp}-{secrets.token_hex(8)}"
-
-
-def make_call_folder(folder: Path) -> None:
-    """Make a call's log folder, 0700, unless its attempt before made it already.
-
-    Another user must not be able to pre-create it, link it elsewhere or plant files in
-    it: its parent may be in a shared place (/tmp/logs), so the folders on the way are
-    checked first, and one found there must be this user's and private.
-    """
-    why = private.unsafe(folder.parent)
-    if why is not None:
-        raise private.UnsafeFolderError(unsafe_log_dir(folder.parent.parent, why))
-    private_dirs(folder.parent)
-    try:
-        folder.mkdir(mode=0o700)
-    except FileExistsError:
-        found = os.lstat(folder)
-        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
-            raise private.UnsafeFolderError(f"{folder} was not made by this job") from None
-
-
-def _open_log(path: Path) -> int:
-    """A rank's log file in a call's own folder: made new (0600), or one this user made."""
-    try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _LOG_FLAGS, 0o600)
-    except FileExistsError:  # a restarted attempt appends to the file its first one made
-        fd = os.open(path, os.O_WRONLY | _LOG_FLAGS)
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid() or found.st_nlink != 1:
-            os.close(fd)
-            raise private.UnsafeFolderError(f"{path} was not made by this job") from None
-        return fd
-
-
-_LOG_FLAGS = os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def private_dirs(folder: Path) -> None:
-    """Create `folder` and its missing parents readable by this user only (0700).
-
-    Training output can hold data and credentials; folders that exist keep their mode.
-    """
-    missing = []
-    for path in (folder, *folder.parents):
-        if path.exists():
-            break
-        missing.append(path)
-    for path in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # made meanwhile by another call
-            path.mkdir(mode=0o700)
-
-
-def read_log(log_dir: Path, rank: int) -> str:
-    """The text rank `rank` wrote in the call whose logs are in `log_dir` ("" if none)."""
-    try:
-        return (log_dir / f"rank-{rank}.log").read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return ""
