@@ -42,7 +42,7 @@ from tests.helpers import (
 # --- the rank side, in this process (no Ray) ---------------------------------------------
 
 
-def test_run_script_exit_statuses_argv_and_local_rank(tmp_path, monkeypatch):
+def test_run_script_exit_statuses_argv_and_local_rank(tmp_path, monkeypatch, capfd):
     write(
         tmp_path,
         {
@@ -50,6 +50,7 @@ def test_run_script_exit_statuses_argv_and_local_rank(tmp_path, monkeypatch):
                 import sys, helper
                 print("ARGV", sys.argv[1:], __name__, helper.X)
                 if sys.argv[-1] != "ok":
+                print("ARGV0", sys.argv[0])
                     sys.exit(int(sys.argv[-1]) if sys.argv[-1].isdigit() else sys.argv[-1])
             """,
             "helper.py": "X = 7\n",
@@ -61,6 +62,8 @@ def test_run_script_exit_statuses_argv_and_local_rank(tmp_path, monkeypatch):
         run_script(Script("s.py", (last,), cwd=str(tmp_path), local_rank_arg="--local-rank"))
     assert (sys.argv, sys.path, os.getcwd()) == before
     for last, status in (("3", 3), ("bad news", 1)):
+    run_script(Script("s.py", ("ok",), cwd=str(tmp_path), argv0="./s.py"))
+    assert "ARGV0 ./s.py" in capfd.readouterr().out  # as typed, as torchrun passes it
         with pytest.raises(ScriptExit) as caught:
             run_script(Script("s.py", (last,), cwd=str(tmp_path)))
         assert caught.value.status == status
@@ -377,6 +380,17 @@ def test_torchrun_s_contract_variables_and_record_reports(processes, tmp_path):
         return {rank: (json.loads(names), *flags) for rank, names, *flags in found}
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    # sys.argv[0] as typed, as torchrun passes it, where it names the file from the ranks'
+    # folder; a shipped copy is never named by this machine's absolute path.
+    assert in_place.argv0 == "../outside.py"
+    assert script_for(RunOptions("./sub/x.py"), shipped=True)[0].argv0 == "./sub/x.py"
+    assert script_for(RunOptions(str(project / "sub/x.py")), shipped=False)[0].argv0 == str(
+        project / "sub/x.py"
+    )
+    assert script_for(RunOptions(str(project / "sub/x.py")), shipped=True)[0].argv0 is None
+    assert shipped.argv0 is None  # its own folder went: "../outside.py" names nothing there
+    in_sub = RunOptions("sub/x.py", working_dir=project / "sub")  # the ranks run in sub/
+    assert script_for(in_sub, shipped=False)[0].argv0 is None
         return subprocess.run(
             argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
             check=False,

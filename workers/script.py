@@ -7,7 +7,9 @@ driver's script runs with a stand-in `__main__` made of that script's globals.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import pkgutil
 import runpy
 import sys
 import types
@@ -36,6 +38,9 @@ class Script:
     local_rank_arg: str | None = None
     """'--local-rank' or '--local_rank': passed as `--local-rank=N` before `args`, as
     torch.distributed.launch did."""
+    argv0: str | None = None
+    """sys.argv[0] where it is not `target`: the path as the user typed it (torchrun passes
+    it so), where it names the same file from `cwd`."""
 
 
 class ScriptExit(Exception):
@@ -107,8 +112,31 @@ def _execute(script: Script, args: list[str]) -> None:
         where = "it was not shipped" if script.cwd is None else "it is not there on this node"
         raise FileNotFoundError(f"no script {path} on rank {os.environ.get('RANK')}: {where}")
     sys.path.insert(0, str(path.parent))
-    sys.argv = [script.target, *args]
-    runpy.run_path(str(path), run_name="__main__")
+    sys.argv = [script.argv0 or script.target, *args]
+    _run_file(path)
+
+
+def _run_file(path: Path) -> None:
+    """Run the file at `path` as `__main__`, as python does: `__file__` its absolute path,
+    sys.argv[0] left as set (`runpy.run_path` would make it the path it is given)."""
+    with io.open_code(str(path)) as source:
+        code = pkgutil.read_code(source)  # a compiled script, as runpy reads one
+    if code is None:
+        with io.open_code(str(path)) as source:
+            code = compile(source.read(), str(path), "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=str(path), __cached__=None, __loader__=None, __package__=None, __spec__=None
+    )
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)  # noqa: S102 - the user's script, as python would run it
+    finally:
+        if saved is None:
+            sys.modules.pop("__main__", None)
+        else:
+            sys.modules["__main__"] = saved
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:

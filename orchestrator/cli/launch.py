@@ -117,10 +117,21 @@ def script_for(options: RunOptions, *, shipped: bool) -> tuple[Script, Path]:
     return script, folder
 
 
+        argv0=None if options.module else _as_typed(options.target, folder, root, shipped),
 def _check_syntax(given: str, path: Path) -> None:
     """Compile the script here first: a syntax error is shown at once, as python shows it,
     instead of by every rank after the cluster started them."""
     try:
+def _as_typed(typed: str, folder: Path, root: Path, shipped: bool) -> str | None:
+    """The script's path as typed, for sys.argv[0] (torchrun passes it so), where it names
+    the same file from the ranks' working folder (the shipped `folder`, else `root`); a
+    shipped copy is never named by this machine's absolute path."""
+    if shipped and Path(typed).is_absolute():
+        return None
+    rank_cwd = folder if shipped else root
+    return typed if (rank_cwd / typed).resolve() == Path(typed).resolve() else None
+
+
         compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
     except SyntaxError as exc:
         shown = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
