@@ -36,6 +36,7 @@ from tests.helpers import (
     message_lines,
     run_example,
     show,
+    wait_for,
     write,
 )
 
@@ -49,8 +50,8 @@ def test_run_script_exit_statuses_argv_and_local_rank(tmp_path, monkeypatch, cap
             "s.py": """\
                 import sys, helper
                 print("ARGV", sys.argv[1:], __name__, helper.X)
-                if sys.argv[-1] != "ok":
                 print("ARGV0", sys.argv[0])
+                if sys.argv[-1] != "ok":
                     sys.exit(int(sys.argv[-1]) if sys.argv[-1].isdigit() else sys.argv[-1])
             """,
             "helper.py": "X = 7\n",
@@ -61,9 +62,9 @@ def test_run_script_exit_statuses_argv_and_local_rank(tmp_path, monkeypatch, cap
     for last in ("ok", "0"):
         run_script(Script("s.py", (last,), cwd=str(tmp_path), local_rank_arg="--local-rank"))
     assert (sys.argv, sys.path, os.getcwd()) == before
-    for last, status in (("3", 3), ("bad news", 1)):
     run_script(Script("s.py", ("ok",), cwd=str(tmp_path), argv0="./s.py"))
     assert "ARGV0 ./s.py" in capfd.readouterr().out  # as typed, as torchrun passes it
+    for last, status in (("3", 3), ("bad news", 1)):
         with pytest.raises(ScriptExit) as caught:
             run_script(Script("s.py", (last,), cwd=str(tmp_path)))
         assert caught.value.status == status
@@ -300,6 +301,36 @@ def test_torchrun_spellings_on_this_machine_and_what_is_refused(processes, tmp_p
         assert said in capsys.readouterr().err, flags
 
 
+def test_sigterm_stops_every_rank_and_says_so_in_one_line(processes, tmp_path):
+    """`timeout` or a scheduler ends `orchestrator run` with SIGTERM: every rank is stopped,
+    one line says so, and the exit status is a shell's for SIGTERM (Ray's crash reporter
+    printed six lines of `*** SIGTERM received ***` and addresses)."""
+    write(tmp_path, {"wait.py": """\
+        import os, time
+        print("PID", os.getpid(), flush=True)
+        time.sleep(120)
+    """})  # fmt: skip
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's socket paths must be short
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "run", "--standalone", "--nproc", "2", "wait.py"],
+        cwd=tmp_path, env={**cli_env(tmp_path), "RAY_TMPDIR": ray_tmp}, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        pids = [int(line.split()[-1]) for _, line in zip(range(2), proc.stdout, strict=False)]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 143, (out, err)
+    assert "[orchestrator] terminated (SIGTERM): every rank of wait was stopped" in err, err
+    assert "SIGTERM received" not in err and "logging.cc" not in err, err
+    for pid in pids:
+        wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists(), 30, f"rank pid {pid} gone")
+
+
 def test_module_in_place_with_no_upload(cluster, tmp_path):
     project = write(
         tmp_path / "proj",
@@ -349,6 +380,17 @@ def test_path_checks_follow_dots_and_symlinks(tmp_path, monkeypatch):
     in_place, folder = script_for(RunOptions("../outside.py"), shipped=False)
     assert in_place.target == str(tmp_path / "outside.py")
     assert (in_place.cwd, folder) == (str(project), project)
+    # sys.argv[0] as typed, as torchrun passes it, where it names the file from the ranks'
+    # folder; a shipped copy is never named by this machine's absolute path.
+    assert in_place.argv0 == "../outside.py"
+    assert script_for(RunOptions("./sub/x.py"), shipped=True)[0].argv0 == "./sub/x.py"
+    assert script_for(RunOptions(str(project / "sub/x.py")), shipped=False)[0].argv0 == str(
+        project / "sub/x.py"
+    )
+    assert script_for(RunOptions(str(project / "sub/x.py")), shipped=True)[0].argv0 is None
+    assert shipped.argv0 is None  # its own folder went: "../outside.py" names nothing there
+    in_sub = RunOptions("sub/x.py", working_dir=project / "sub")  # the ranks run in sub/
+    assert script_for(in_sub, shipped=False)[0].argv0 is None
 
 
 CONTRACT = """\
@@ -380,17 +422,6 @@ def test_torchrun_s_contract_variables_and_record_reports(processes, tmp_path):
         return {rank: (json.loads(names), *flags) for rank, names, *flags in found}
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    # sys.argv[0] as typed, as torchrun passes it, where it names the file from the ranks'
-    # folder; a shipped copy is never named by this machine's absolute path.
-    assert in_place.argv0 == "../outside.py"
-    assert script_for(RunOptions("./sub/x.py"), shipped=True)[0].argv0 == "./sub/x.py"
-    assert script_for(RunOptions(str(project / "sub/x.py")), shipped=False)[0].argv0 == str(
-        project / "sub/x.py"
-    )
-    assert script_for(RunOptions(str(project / "sub/x.py")), shipped=True)[0].argv0 is None
-    assert shipped.argv0 is None  # its own folder went: "../outside.py" names nothing there
-    in_sub = RunOptions("sub/x.py", working_dir=project / "sub")  # the ranks run in sub/
-    assert script_for(in_sub, shipped=False)[0].argv0 is None
         return subprocess.run(
             argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
             check=False,
@@ -419,9 +450,9 @@ def test_torchrun_s_contract_variables_and_record_reports(processes, tmp_path):
     first, when, where = report.splitlines()[:3]
     assert first.endswith("raised ValueError: bad shard 7"), report  # record's message
     assert when.startswith("  time      : 20") and "error_file: " in where, report
-    assert 'contract.py", line 11, in main' in report and "in wrapper" in report, report
     # Kept beside the rank's log, as torchrun's stays on disk (the rank's own is gone).
     kept = Path(where.split("error_file: ", 1)[1])
     assert kept.name == "rank-1.error.json" and (kept.parent / "rank-1.log").exists(), report
     assert json.loads(kept.read_text())["message"]["message"].endswith("bad shard 7")
     assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert 'contract.py", line 11, in main' in report and "in wrapper" in report, report

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +29,8 @@ EXIT_TIMEOUT = 124
 """As timeout(1) exits when its command ran too long."""
 EXIT_INTERRUPTED = 130
 """128 + SIGINT, as a shell reports a command stopped with Ctrl-C."""
+EXIT_TERMINATED = 143
+"""128 + SIGTERM, as a shell reports a command that `timeout` or a scheduler ended."""
 
 
 @dataclass(frozen=True)
@@ -113,15 +117,11 @@ def script_for(options: RunOptions, *, shipped: bool) -> tuple[Script, Path]:
         module=options.module,
         cwd=None if shipped else str(root),
         local_rank_arg=options.local_rank_arg,
+        argv0=None if options.module else _as_typed(options.target, folder, root, shipped),
     )
     return script, folder
 
 
-        argv0=None if options.module else _as_typed(options.target, folder, root, shipped),
-def _check_syntax(given: str, path: Path) -> None:
-    """Compile the script here first: a syntax error is shown at once, as python shows it,
-    instead of by every rank after the cluster started them."""
-    try:
 def _as_typed(typed: str, folder: Path, root: Path, shipped: bool) -> str | None:
     """The script's path as typed, for sys.argv[0] (torchrun passes it so), where it names
     the same file from the ranks' working folder (the shipped `folder`, else `root`); a
@@ -132,6 +132,10 @@ def _as_typed(typed: str, folder: Path, root: Path, shipped: bool) -> str | None
     return typed if (rank_cwd / typed).resolve() == Path(typed).resolve() else None
 
 
+def _check_syntax(given: str, path: Path) -> None:
+    """Compile the script here first: a syntax error is shown at once, as python shows it,
+    instead of by every rank after the cluster started them."""
+    try:
         compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
     except SyntaxError as exc:
         shown = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
@@ -227,12 +231,14 @@ def run(options: RunOptions) -> int:
     script, folder = script_for(options, shipped=shipped)
     started = False
     name = job_name(options)
+    terminated = threading.Event()
     try:
         if shipped:
             _join_and_ship(target or "", folder, options)
-        elif options.standalone or options.nproc_per_node is not None:
+        else:
             hint = _slots_hint(options)
             cluster.connect(options.address, min_cpus=hint, standalone=options.standalone)
+        _stop_on_sigterm(terminated)
         layout = _layout(options, one_machine=not shipped)
         fn = distribute(
             run_script,
@@ -256,12 +262,28 @@ def run(options: RunOptions) -> int:
         return _exit_status(err)
     except KeyboardInterrupt:
         stopped = f": every rank of {name} was stopped" if started else ""
+        if terminated.is_set():
+            messages.say(f"terminated (SIGTERM){stopped}")
+            return EXIT_TERMINATED
         messages.say(f"interrupted{stopped}")
         return EXIT_INTERRUPTED
     finally:
         # Leave the cluster (or stop the embedded instance) now, while it is all alive.
         ray.shutdown()
     return 0
+
+
+def _stop_on_sigterm(came: threading.Event) -> None:
+    """From now on (Ray joined), SIGTERM stops the ranks as Ctrl-C does, and sets `came`.
+    Ray's core worker put its crash reporter there, which printed six lines of `*** SIGTERM
+    received ***` and addresses, and ended this process with the ranks left to Ray."""
+
+    def terminate(_signum: int, _frame: object) -> None:
+        came.set()
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminate)
 
 
 def _slots_hint(options: RunOptions) -> float:
