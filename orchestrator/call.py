@@ -35,6 +35,7 @@ from orchestrator.show.logs import Console, Journaling
 from orchestrator.show.status import StatusLine
 from orchestrator.supervise.direct import DirectCall
 from orchestrator.view import CallView, snapshot
+from orchestrator_workers import handoff
 from orchestrator_workers.protocol import CallSpec, RankFailure, RankResult
 from orchestrator_workers.states import State
 
@@ -144,7 +145,7 @@ class Call:
         Ray task to each node's first rank, or on many nodes to rank 0, which calls the
         others (and lends `lend`). A large one goes in one Ray task per rank, each of
         which reads it from the object store in place."""
-        pool, lease = self.pool, {"lease": (None, lend)}
+        pool, lease = self.pool, {} if lend is None else {"lease": handoff.Lease(None, lend)}
         if pool.handoff and isinstance(data, bytes) and pool.others:  # rank 0 calls the nodes
             first, others = pool.nodes[0], pool.others_for_call()
             args = (self.call_id, packed_call, data, first.peers, others)

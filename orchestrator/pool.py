@@ -9,7 +9,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -57,8 +57,8 @@ class PoolNode:
     """Ray's id of the node."""
     ranks: tuple[int, ...]
     """The first one hands the call to the others (and to itself)."""
-    peers: bytes
-    """Every rank's Peer, pickled once for every call."""
+    peers: bytes = field(repr=False)
+    """Every rank's Peer, pickled once for every call (their doors' keys: never shown)."""
 
 
 class Pool:

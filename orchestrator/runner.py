@@ -14,7 +14,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -43,7 +43,7 @@ class _Entry:
     shipped: Shipment
     options: Options
     plan: Plan | None
-    lend: bytes | None = None
+    lend: bytes | None = field(default=None, repr=False)
     driver_call: direct.DirectCall | None = None
 
 

@@ -91,15 +91,17 @@ def test_a_lease_is_taken_once_and_a_revoke_says_which_call_took_it() -> None:
     a = Rank(0)
     a.release.set()
     hand = handoff.Hand()
-    assert hand.start(b"c1", [a.peer()], b"", b"ok", lease=(None, b"t1"))  # the supervisor's
+    # The supervisor's start lends the first token; a driver's carries it and lends the next.
+    assert hand.start(b"c1", [a.peer()], b"", b"ok", lease=handoff.Lease(None, b"t1"))
     assert hand.collect(b"c1") == ([(0, b"r0:ok")], (), False)
-    assert not hand.start(b"x", [a.peer()], b"", b"ok", lease=(b"forged", b"t9"))
-    assert hand.start(b"c2", [a.peer()], b"", b"ok", lease=(b"t1", b"t2"))
+    assert not hand.start(b"x", [a.peer()], b"", b"ok", lease=handoff.Lease(b"forged", b"t9"))
+    assert hand.start(b"c2", [a.peer()], b"", b"ok", lease=handoff.Lease(b"t1", b"t2"))
     assert hand.collect(b"c2", "driver") == ([(0, b"r0:ok")], (), False)
-    assert not hand.start(b"c3", [a.peer()], b"", b"ok", lease=(b"t1", b"t3"))  # used up
-    assert hand.revoke(b"t1") == (b"c2", b"t2")
+    used_up = handoff.Lease(b"t1", b"t3")
+    assert not hand.start(b"c3", [a.peer()], b"", b"ok", lease=used_up)
+    assert hand.revoke(b"t1") == handoff.Used(b"c2", b"t2")
     assert hand.revoke(b"t2") is None  # still lent: taken back now
-    assert not hand.start(b"c4", [a.peer()], b"", b"ok", lease=(b"t2", b"t4"))
+    assert not hand.start(b"c4", [a.peer()], b"", b"ok", lease=handoff.Lease(b"t2", b"t4"))
     assert a.calls == 2
 
 
@@ -109,16 +111,16 @@ def test_a_leased_call_s_outcomes_reach_each_reader_and_outlive_the_next_call() 
     a, b = Rank(0), Rank(1)
     a.release.set()
     hand = handoff.Hand()
-    assert hand.start(b"c1", [a.peer(), b.peer()], b"", b"fail", lease=(None, b"t1"))
+    assert hand.start(b"c1", [a.peer(), b.peer()], b"", b"fail", lease=handoff.Lease(None, b"t1"))
     assert hand.collect(b"c1", "driver") == ([(0, b"r0:fail")], (1,), True)
     b.release.set()
     assert hand.collect(b"c1", "driver") == ([(1, b"r1:fail")], (), True)
     assert hand.collect(b"c1") == ([(0, b"r0:fail"), (1, b"r1:fail")], (), True)
-    assert hand.start(b"c2", [a.peer(), b.peer()], b"", b"ok", lease=(b"t1", b"t2"))
+    assert hand.start(b"c2", [a.peer(), b.peer()], b"", b"ok", lease=handoff.Lease(b"t1", b"t2"))
     both = [(0, b"r0:ok"), (1, b"r1:ok")]
     done, pending, failing = hand.collect(b"c2", "driver")
     assert (sorted(done), pending, failing) == (both, (), False)
-    assert hand.start(b"c3", [a.peer()], b"", b"ok", lease=(b"t2", b"t3"))
+    assert hand.start(b"c3", [a.peer()], b"", b"ok", lease=handoff.Lease(b"t2", b"t3"))
     done, pending, failing = hand.collect(b"c2")  # kept for the supervisor
     assert (sorted(done), pending, failing) == (both, (), False)
     assert hand.collect(b"c2") == ([], (), False)  # taken

@@ -174,7 +174,7 @@ class RankActor:
         peers: bytes,
         nodes: tuple[RemoteNode, ...] | None,
         *,
-        lease: handoff.Lease = (None, None),
+        lease: handoff.Lease = handoff.NO_LEASE,
         reader: str = "",
     ) -> bytes:
         """As its node's first rank: hand call `call_id` to every rank of the node (pickled
@@ -199,7 +199,7 @@ class RankActor:
         return pickle.dumps(self._hand.collect(call_id, reader), pickle.HIGHEST_PROTOCOL)
 
     @ray.method(concurrency_group="control")
-    def revoke(self, token: bytes) -> tuple[bytes, bytes | None] | None:
+    def revoke(self, token: bytes) -> handoff.Used | None:
         """As rank 0: take back a detached job's lease (see `handoff.Hand.revoke`)."""
         return self._hand.revoke(token)
 

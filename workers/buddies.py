@@ -8,9 +8,10 @@ it. The driver makes that secret for each job and sends it to the ranks through 
 the call (as the doors' secrets travel, see handoff); it never appears in the
 environment, a repr or a log. So a process without it can neither store a copy nor get
 one, and a listener that is not a rank of this job learns nothing from a rank that
-connects to it. A connection that has not proven itself within 1 s is closed, so a silent
-one never holds the listener. Nothing received is unpickled here: a copy's bytes are kept
-as they came and handed back to the rank they belong to.
+connects to it. Connections prove themselves side by side, in the listener's one thread
+(see greeters): one that has not within HANDSHAKE_S in all is closed, and a flood of them is
+bounded, so none holds the listener. Nothing received is unpickled here: a copy's bytes are
+kept as they came and handed back to the rank they belong to.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from orchestrator_workers.greeters import BACKLOG, Greeters, Greeting
+
 HANDSHAKE_S = 10.0
-"""How long a connection may take to prove it holds the job's secret (each is served by a
-thread of its own: a silent one holds only that). 1 s broke snapshots off on a 2-core node
-busy copying 1 GB per rank."""
+"""How long a connection may take, in all, to prove it holds the job's secret (read at each
+accept). 1 s broke snapshots off on a 2-core node busy copying 1 GB per rank."""
 IO_S = 120.0
 """The longest pause between two reads or writes of a copy's bytes."""
 _MAGIC = b"orchestrator-snapshot-1\n"
@@ -59,7 +61,8 @@ class Keeper:
         self._lock = threading.Lock()
         self._key = b""
         self._held: dict[int, dict[int, Copy]] = {}
-        self._listener: socket.socket | None = None
+        self.greeters: Greeters | None = None
+        """The listener's connections not proven yet (None: not listening)."""
         self.address: tuple[str, int] = ("", 0)
 
     def serve(self, host: str, key: bytes) -> tuple[str, int]:
@@ -69,13 +72,16 @@ class Keeper:
             if key != self._key:
                 self._held.clear()
                 self._key = key
-            if self._listener is None:
-                listener = socket.create_server((host, 0), backlog=64)
-                self._listener = listener
+            if self.greeters is None:
+                listener = socket.create_server((host, 0), backlog=BACKLOG)
                 self.address = (host, listener.getsockname()[1])
-                threading.Thread(
-                    target=self._accept, args=(listener,), name="snapshot-keeper", daemon=True
-                ).start()
+                self.greeters = Greeters(
+                    listener,
+                    self._greeting,
+                    self._serve_one,
+                    wait_s=lambda: HANDSHAKE_S,
+                    name="snapshot-keeper",
+                )
             return self.address
 
     def holdings(self) -> dict[int, list[int]]:
@@ -105,33 +111,31 @@ class Keeper:
 
     def close_in_child(self) -> None:
         """In a forked child: the listening socket is the parent's, not the child's."""
-        if self._listener is not None:
+        if self.greeters is not None:
             with contextlib.suppress(OSError):
-                self._listener.close()
-            self._listener = None
+                self.greeters.close()
+            self.greeters = None
         self._held = {}
         self._lock = threading.Lock()
 
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+    def _greeting(self, conn: socket.socket) -> Greeting:
+        """The keeper's side of the mutual challenge: the job's key once the peer proved it
+        holds it, as this side did; None if not."""
+        with self._lock:
+            key = self._key
+        hello = yield len(_MAGIC) + _NONCE
+        if not key or hello[: len(_MAGIC)] != _MAGIC:
+            return None
+        theirs, mine = hello[len(_MAGIC) :], os.urandom(_NONCE)
+        conn.sendall(mine + _mac(key, b"keeper", theirs, mine))
+        proof = yield 32
+        return key if hmac.compare_digest(proof, _mac(key, b"saver", theirs, mine)) else None
 
-    def _serve_one(self, conn: socket.socket) -> None:
+    def _serve_one(self, conn: socket.socket, key: object) -> None:
         with conn:
             try:
-                conn.settimeout(HANDSHAKE_S)
-                with self._lock:
-                    key = self._key
-                if not key or not _prove(conn, key, server=True):
-                    return
                 conn.settimeout(IO_S)
-                op, ward, step, header_len, body_len = _REQUEST.unpack(
-                    _read(conn, _REQUEST.size)
-                )
+                op, ward, step, header_len, body_len = _REQUEST.unpack(_read(conn, _REQUEST.size))
                 if op == _PUT:
                     header = bytes(_read(conn, header_len))
                     body = _read(conn, body_len)
@@ -201,7 +205,7 @@ def _connect(address: tuple[str, int], key: bytes) -> socket.socket:
         raise ChannelError(f"could not reach the rank at {_where(address)}: {exc}") from None
     try:
         conn.settimeout(HANDSHAKE_S * 3)
-        if not _prove(conn, key, server=False):
+        if not _prove(conn, key):
             raise ChannelError(
                 f"the listener at {_where(address)} did not prove it holds this job's "
                 "secret: it is not a rank of this job"
@@ -213,16 +217,10 @@ def _connect(address: tuple[str, int], key: bytes) -> socket.socket:
     return conn
 
 
-def _prove(conn: socket.socket, key: bytes, *, server: bool) -> bool:
-    """The mutual challenge: True once the peer proved it holds `key`, as this side did."""
+def _prove(conn: socket.socket, key: bytes) -> bool:
+    """The saver's side of the mutual challenge (the keeper's is `Keeper._greeting`): True
+    once the keeper proved it holds `key`, as this side did."""
     mine = os.urandom(_NONCE)
-    if server:
-        hello = _read(conn, len(_MAGIC) + _NONCE)
-        if hello[: len(_MAGIC)] != _MAGIC:
-            return False
-        theirs = bytes(hello[len(_MAGIC) :])
-        conn.sendall(mine + _mac(key, b"keeper", theirs, mine))
-        return hmac.compare_digest(bytes(_read(conn, 32)), _mac(key, b"saver", theirs, mine))
     conn.sendall(_MAGIC + mine)
     answer = _read(conn, _NONCE + 32)
     theirs = bytes(answer[:_NONCE])

@@ -14,10 +14,10 @@ so every process in the node's network namespace can reach them, whoever's and i
 container. So a door serves only a peer that first sends its secret (`Door.key`, 32
 random bytes that the rank made and that reached its hand only through Ray, with Ray's
 token), compared in constant time before a byte is unpickled; a peer that sends nothing
-is dropped after KEY_WAIT_S, and never holds the door. The hand, in turn, checks with
-SO_PEERCRED that the door it reached is held by the rank's own process (its pid and
-uid). Nothing else on the node can send a rank code or read a call's arguments, even by
-taking a dead rank's socket name.
+is dropped after KEY_WAIT_S, and neither it nor a flood of them holds the door (see
+greeters). The hand, in turn, checks with SO_PEERCRED that the door it reached is held by
+the rank's own process (its pid and uid). Nothing else on the node can send a rank code or
+read a call's arguments, even by taking a dead rank's socket name.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
+from orchestrator_workers.greeters import BACKLOG, Greeters, Greeting
 from orchestrator_workers.protocol import Peer, RemoteNode
-from orchestrator_workers.sockets import KEY_BYTES, credentials, first_key, receive, send
+from orchestrator_workers.sockets import KEY_BYTES, KEY_WAIT_S, credentials, receive, send
 
 SWITCH = "ORCHESTRATOR_HANDOFF"
 """Set to 0 in the driver's environment to send every rank its own Ray task instead."""
@@ -66,9 +67,29 @@ rank's actor for it: its socket closed first (Ray will say why), its node's hand
 or it is large."""
 Collected = tuple[Outcomes, tuple[int, ...], bool]
 """Outcomes, the ranks still running, and whether one failed or was lost."""
-Lease = tuple[bytes | None, bytes | None]
-"""A start's (token, next token): a driver's start must carry the token the hand holds (it
-is then used up); the next token is what the hand holds from then on (see `Hand.start`)."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A start's tokens: a driver's start must carry `token`, the one the hand holds (it is
+    then used up); `lend` is what the hand holds from then on (see `Hand.start`). Neither
+    is ever shown."""
+
+    token: bytes | None = field(default=None, repr=False)
+    lend: bytes | None = field(default=None, repr=False)
+
+
+NO_LEASE = Lease()
+"""A start that carries no token and lends none (the runner's own, undetached)."""
+
+
+@dataclass(frozen=True)
+class Used:
+    """A lease token a driver's start used up, as a revoke finds it: the call that used
+    it, and the token it lent next (never shown)."""
+
+    call_id: bytes
+    lend: bytes | None = field(repr=False)
 
 
 @dataclass
@@ -95,16 +116,20 @@ class Door:
         """What a peer must send first to be served; only the driver and the hand see it."""
         self.name = ""
         """The abstract socket's name; "" where none could be opened (no hand-off)."""
+        self.greeters: Greeters | None = None
+        """The connections that have not sent the key yet (None: no socket)."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         name = f"orchestrator-{secrets.token_hex(12)}"
         try:
             listener.bind(f"\0{name}")
-            listener.listen(4)
+            listener.listen(BACKLOG)
         except OSError:
             listener.close()
             return
         self.name = name
-        threading.Thread(target=self._accept, args=(listener,), name="door", daemon=True).start()
+        self.greeters = Greeters(
+            listener, self._greeting, self._link, wait_s=lambda: KEY_WAIT_S, name="door"
+        )
 
     def __repr__(self) -> str:
         """Never the key."""
@@ -117,16 +142,14 @@ class Door:
             outcome, self._last = self._last[1], (call_id, b"")
             return outcome
 
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            conn, _ = listener.accept()
-            threading.Thread(target=self._greet, args=(conn,), name="rank", daemon=True).start()
+    def _greeting(self, _conn: socket.socket) -> Greeting:
+        """A link is served once its first bytes are the key (within KEY_WAIT_S in all)."""
+        key = yield KEY_BYTES
+        return True if hmac.compare_digest(key, self.key) else None
 
-    def _greet(self, conn: socket.socket) -> None:
-        """Serve `conn` if its first bytes are the key, within KEY_WAIT_S; else hang up."""
+    def _link(self, conn: socket.socket, _proven: object) -> None:
+        """Serve a link that sent the key, once no other link is served."""
         with conn, contextlib.suppress(Exception):  # that link ends; the door stays open
-            if not hmac.compare_digest(first_key(conn), self.key):
-                return
             conn.settimeout(None)
             with self._serving:
                 self._answer(conn)
@@ -165,8 +188,8 @@ class Hand:
         self._ended: dict[bytes, _Ended] = {}
         self._lease: bytes | None = None
         """The token a driver's start must carry now; None: no driver may start a call."""
-        self._used: dict[bytes, tuple[bytes, bytes | None]] = {}
-        """Tokens used up: token -> (the call that used it, the token it lent next)."""
+        self._used: dict[bytes, Used] = {}
+        """Tokens used up, each with the call that used it."""
         self._wake, self._woken = socket.socketpair()
         """Written when another node's outcomes came: a collect waiting on the links wakes."""
         self._wake.setblocking(False)
@@ -179,17 +202,17 @@ class Hand:
         payload: bytes,
         nodes: Sequence[RemoteNode] = (),
         *,
-        lease: Lease = (None, None),
+        lease: Lease = NO_LEASE,
     ) -> bool:
         """Send call `call_id` to each of `peers` (a rank it cannot reach is done, lost),
         and to the hand of each of `nodes`, which gathers its own node's; False (nothing
         sent) where `lease`'s token is not the one lent, or a call still runs here."""
-        token, lend = lease
+        token, lend = lease.token, lease.lend
         with self._lock:
             if token is not None:
                 if token != self._lease or self._pending or self._away:
                     return False
-                self._used[token] = (call_id, lend)
+                self._used[token] = Used(call_id, lend)
                 while len(self._used) > _KEPT_TOKENS:
                     del self._used[next(iter(self._used))]
             self._lease = lend
@@ -198,7 +221,7 @@ class Hand:
                 while len(self._ended) > _KEPT_CALLS:
                     del self._ended[next(iter(self._ended))]
             self._call, self._pending, self._done, self._failing = call_id, {}, [], False
-            self._taken, self._kept = {}, lease != (None, None)
+            self._taken, self._kept = {}, lease != NO_LEASE
             self._away = {rank for node in nodes for rank in node.ranks}
             for peer in peers:  # first: rank 0 serves the rendezvous store the others reach
                 try:
@@ -213,7 +236,7 @@ class Hand:
                 threading.Thread(target=self._follow, args=(*args, nodes), daemon=True).start()
         return True
 
-    def revoke(self, token: bytes) -> tuple[bytes, bytes | None] | None:
+    def revoke(self, token: bytes) -> Used | None:
         """Take back lease `token`: None where no driver's start used it (none can now);
         else the call that used it, and the token lent next."""
         with self._lock:

@@ -116,8 +116,8 @@ class RemoteNode:
     actor: Any
     """The actor of the node's first rank, which hands the call to the node's ranks."""
     ranks: tuple[int, ...]
-    peers: bytes
-    """The node's ranks' Peers, pickled."""
+    peers: bytes = field(repr=False)
+    """The node's ranks' Peers, pickled (their doors' keys: never shown)."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 from collections.abc import Sequence
 
 KEY_BYTES = 32
@@ -47,18 +46,6 @@ def receive(sock: socket.socket, count: int) -> list[bytes] | None:
             raise ConnectionResetError("the other end closed in the middle of a frame")
         parts.append(part)
     return parts
-
-
-def first_key(conn: socket.socket) -> bytes:
-    """The first KEY_BYTES bytes `conn` sends within KEY_WAIT_S in all; fewer if not."""
-    got, deadline = b"", time.monotonic() + KEY_WAIT_S
-    while len(got) < KEY_BYTES and (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
-        chunk = conn.recv(KEY_BYTES - len(got))
-        if not chunk:
-            break
-        got += chunk
-    return got
 
 
 def _exactly(sock: socket.socket, size: int) -> bytes | None:

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -39,6 +39,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from orchestrator.pool import Pool
+from orchestrator_workers import handoff
 from orchestrator_workers.protocol import CallSpec, RankResult, unwire, wire
 
 ADOPT_AFTER_S = 2.0
@@ -59,11 +60,11 @@ class DirectCall:
 
     call_id: bytes
     """Its share key, encoded (the hand's call id)."""
-    secret: bytes
-    """The job's secret (its ranks' snapshots)."""
-    token: bytes
+    secret: bytes = field(repr=False)
+    """The job's secret (its ranks' snapshots); never shown, as the tokens."""
+    token: bytes = field(repr=False)
     """The lease token its start carries."""
-    lend: bytes
+    lend: bytes = field(repr=False)
     """The token its start lends for the driver's next call."""
     port: int
     """Its rendezvous store's port."""
@@ -86,11 +87,12 @@ class Lease:
     the store port, and (where the driver lacks them) rank 0's actor and its node's peers."""
 
     pool: str
-    token: bytes
+    token: bytes = field(repr=False)
+    """Never shown, as `peers` (their doors' keys)."""
     port: int
     gpus: bool
     rank0: Any = None
-    peers: bytes = b""
+    peers: bytes = field(default=b"", repr=False)
 
 
 def can_lend(pool: Pool | None) -> bool:
@@ -136,7 +138,7 @@ class Leases:
             self._cond.wait_for(lambda: call_id in self._said, wait_s)
             return self._said.pop(call_id, None)
 
-    def revoke(self, pool: Pool, token: bytes | None = None) -> tuple[bytes, bytes | None] | None:
+    def revoke(self, pool: Pool, token: bytes | None = None) -> handoff.Used | None:
         """Take back `token` (default: the outstanding one) at rank 0's hand: None where no
         driver's call took it (or rank 0 is gone: no call can take it); else that call's id
         and the token it lent, which is outstanding now."""
@@ -148,11 +150,11 @@ class Leases:
         except (RayError, GetTimeoutError):  # the attempt finds out what became of rank 0
             used = None
         if used is not None:
-            self._taken[used[0]] = None
+            self._taken[used.call_id] = None
             while len(self._taken) > 64:
                 del self._taken[next(iter(self._taken))]
         if token == self.outstanding:
-            self.outstanding = None if used is None else used[1]
+            self.outstanding = None if used is None else used.lend
         return used
 
     def took(self, call_id: bytes) -> bool:
@@ -163,7 +165,7 @@ class Leases:
         """Take every token back before the runner starts a call itself, waiting for any
         call that took one and was never told of (see `orphan`)."""
         while (used := self.revoke(pool)) is not None:
-            self.orphan(pool, used[0])
+            self.orphan(pool, used.call_id)
 
     def orphan(self, pool: Pool, call_id: bytes) -> None:
         """Wait for call `call_id`, whose driver never told of it (it died between its
@@ -207,10 +209,10 @@ def next_entry(
         used = leases.revoke(pool)
         if used is None:
             return None
-        entry = take_queued(cond, queue, used[0], NOTICE_WAIT_S)
+        entry = take_queued(cond, queue, used.call_id, NOTICE_WAIT_S)
         if entry is not None:
             return entry
-        leases.orphan(pool, used[0])
+        leases.orphan(pool, used.call_id)
     return None
 
 
@@ -241,9 +243,9 @@ def before_attempt(
         ran = leases.took(mine.call_id)
         if not ran and not stop.is_set():  # refused, or running on, or its driver is gone
             used = leases.revoke(pool, mine.token)
-            ran = used is not None and used[0] == mine.call_id
+            ran = used is not None and used.call_id == mine.call_id
             if used is not None and not ran:
-                leases.orphan(pool, used[0])
+                leases.orphan(pool, used.call_id)
         if ran:
             leases.outstanding = mine.lend
             pool.store_port = mine.port
@@ -303,7 +305,7 @@ class Holder:
         )
         run = self._rank0.run_node.remote(
             mine.call_id, pickle.dumps(spec, pickle.HIGHEST_PROTOCOL), shipped.data,
-            self._peers, None, lease=(lease.token, lend), reader=READER,
+            self._peers, None, lease=handoff.Lease(lease.token, lend), reader=READER,
         )
         quiet = None
         try:
