@@ -54,8 +54,10 @@ CONTROL_TIMEOUT = timedelta(seconds=6)
 
 
 def where() -> dict[str, Any]:
-    """Where this rank runs and where its `orchestrator_workers` comes from; some output.
-    (torch's version as installed: importing it would only slow the pool down.)"""
+    """Where this rank runs and where its `orchestrator_workers` comes from; some output;
+    whether `from orchestrator import snapshot` works (with none of the driver's machinery
+    imported, before or after). (torch's version as installed: importing it would only
+    slow the pool down.)"""
     import importlib.metadata
 
     import ray
@@ -65,13 +67,29 @@ def where() -> dict[str, Any]:
     rank = os.environ["RANK"]
     print(f"stdout line of rank {rank}", flush=True)
     os.write(2, f"stderr line of rank {rank}\n".encode())
+    driver_side = "orchestrator" in sys.modules
+    try:
+        from orchestrator import snapshot
+
+        snapshot_api: dict[str, Any] = {
+            "file": os.path.realpath(snapshot.__file__ or ""),
+            "save": snapshot.save.__module__,
+            "restore": snapshot.restore.__module__,
+        }
+    except ImportError as exc:
+        snapshot_api = {"error": f"{type(exc).__name__}: {exc}"}
+    machinery = ("orchestrator.function", "orchestrator.runner", "orchestrator.pool")
     return {
         "rank": int(rank),
         "node_ip": ray.util.get_node_ip_address(),
         "executable": sys.executable,
         "workers_file": orchestrator_workers.__file__,
+        "workers_real": os.path.realpath(orchestrator_workers.__file__ or ""),
         "older_copy": hasattr(orchestrator_workers, "OLDER_COPY"),
         "torch": importlib.metadata.version("torch"),
+        "driver_side_before": driver_side,
+        "snapshot": snapshot_api,
+        "machinery": [name for name in machinery if name in sys.modules],
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import traceback
@@ -10,9 +11,12 @@ from types import FrameType
 
 import ray
 
-_OURS = str(Path(__file__).resolve().parent)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+"""This package's folder as its code names it, unresolved: a shipped copy is reached
+through a descriptor where its folder's name is not safe (/proc/PID/fd/N, see bootstrap)."""
+_OURS = (str(Path(__file__).resolve().parent), _HERE)
 _RAY = str(Path(ray.__file__).resolve().parent)
-_ACTOR = str(Path(__file__).resolve().with_name("actor.py"))
+_ACTOR = (str(Path(__file__).resolve().with_name("actor.py")), os.path.join(_HERE, "actor.py"))
 """The rank actor's module, whose `_run` calls the function (in whichever thread)."""
 
 
@@ -54,7 +58,7 @@ def frames_of(frame: FrameType | None) -> list[FrameType]:
 
 def after_entry(frames: list[FrameType], entry: str) -> list[FrameType] | None:
     for i, f in enumerate(frames):
-        if f.f_code.co_name == entry and f.f_code.co_filename == _ACTOR:
+        if f.f_code.co_name == entry and f.f_code.co_filename in _ACTOR:
             after = frames[i + 1 :]
             # A launched script runs under our runner and runpy: start at the user's code.
             start = 0
@@ -70,4 +74,4 @@ def _is_runpy(frame: FrameType) -> bool:
 
 def _is_ours(frame: FrameType) -> bool:
     name = frame.f_code.co_filename
-    return name.startswith((_OURS, _RAY)) or "concurrent/futures" in name
+    return name.startswith((*_OURS, _RAY)) or "concurrent/futures" in name

@@ -1,7 +1,7 @@
 """Keeps a copy of a rank's latest output and, once the rank dies, saves it for the driver.
 
-`Capture` starts `python -S -E -m tail PATH OUT_FD ERR_FD TEE_FD LIFELINE_FD` in this file's folder
-(`keeper_command`).
+`Capture` starts `python -S -E -c RUN PATH OUT_FD ERR_FD TEE_FD LIFELINE_FD` in this file's folder
+(`keeper_command`), RUN running this module as `-m tail` would.
 While the rank lives, its capture thread copies every numbered chunk to TEE_FD and this process
 keeps the newest ones; the rank holds the lifeline's other end. When the rank dies, this
 process also takes what is still unread in the stdout/stderr pipes (OUT_FD, ERR_FD),
@@ -38,12 +38,18 @@ def tail_path(pid: int) -> Path:
     return _private().folder() / f"tail-{pid}.json"
 
 
+_RUN = "import runpy; runpy.run_module('tail', run_name='__main__', alter_sys=True)"
+"""`-m tail`, but with the working folder on sys.path as '' (-c's), not as its name: an
+import finds the folder the keeper started in, or nothing once it is removed, never one that
+another user made under that name (a shipped rank side in a temp dir a cleaner empties)."""
+
+
 def keeper_command(path: str, fds: tuple[int, int, int, int]) -> tuple[list[str], str]:
     """The command that starts a keeper, and the folder to start it in (this file's, first
     on its sys.path): Python without site or PYTHON* variables, importing only what
     waiting needs (what saving needs comes once the rank died), so that each rank's keeper
     starts in about 20 ms of CPU instead of 40-90."""
-    argv = [sys.executable, "-S", "-E", "-m", "tail", path, *map(str, fds)]
+    argv = [sys.executable, "-S", "-E", "-c", _RUN, path, *map(str, fds)]
     return argv, os.path.dirname(os.path.abspath(__file__))
 
 

@@ -4,10 +4,12 @@ A node of a cluster reached by address needs only Ray, torch and cloudpickle, an
 driver's Python. The first time a pool is placed on a node, a task shipped by value
 (`inventory.read`) says what the node has. Where it has no `orchestrator_workers`, or
 another content of it (an older install), every actor and task the product starts there
-carries the driver's copy (`carried`): an archive put once in Ray's object store, unpacked
-once per content on each node and put ahead of anything installed there (see
-`bootstrap`). The user's own `runtime_env` is left as given. The embedded instance and
-the local runtime run on this machine from this interpreter: nothing is read or added there.
+carries the driver's copy (`carried`): an archive of both sides (`from orchestrator import
+snapshot` in a rank needs the driver side's `__init__`, which imports nothing until asked)
+put once in Ray's object store, unpacked once per content on each node and put ahead of
+anything installed there (see `bootstrap`). The user's own `runtime_env` is left as given.
+The embedded instance and the local runtime run on this machine from this interpreter:
+nothing is read or added there.
 
 What a node said is kept in the cluster's key-value store under its node id, so a second
 driver (another script, the notebook after a restart) starts no task to learn it again. A
@@ -72,10 +74,9 @@ _facts: dict[str, NodeFacts] = {}
 """By node id: every node read so far (nodes join later: each is read when first used)."""
 _asked = 0
 """How many nodes this process read by a task (not from what an earlier driver kept)."""
-_archives: dict[str, tuple[str, ray.ObjectRef]] = {}
-"""Our archives in the object store ("rank": the rank side; "both": both sides, which a
-supervisor needs), each with the driver's connection (its node and Ray job) that put it
-there: a new connection puts it again."""
+_archive_put: tuple[str, ray.ObjectRef] | None = None
+"""Our archive in the object store, with the driver's connection (its node and Ray job)
+that put it there: a new connection puts it again."""
 _driver_torch: str | None = None
 """The torch version the driver compares with; None: its installed one (a test hook)."""
 _always = False
@@ -251,13 +252,21 @@ def _release(version: str) -> str:
     return version.split("+", 1)[0]
 
 
+@functools.cache
+def _archive() -> tuple[bytes, str]:
+    """What a node that lacks ours gets: both sides (a rank may import `orchestrator.snapshot`,
+    a supervisor runs the driver side), and the archive's content id."""
+    package = bootstrap.archive(str(_folder()), (str(_driver_folder()), inventory.DRIVER_SIDE))
+    return package, bootstrap.archive_id(package)
+
+
 def carried(node_id: str) -> tuple[Any, ...]:
     """What an actor's or task's arguments start with on `node_id`: nothing where the node
     has our rank side; else our archive and its content id, for `bootstrap` to unpack."""
     facts = _facts.get(node_id)
     if facts is None or not _lacks(facts):
         return ()
-    return (_archive_ref("rank", lambda: bootstrap.archive(str(_folder()))), content())
+    return _carry()
 
 
 def carried_both(node_id: str) -> tuple[Any, ...]:
@@ -266,22 +275,19 @@ def carried_both(node_id: str) -> tuple[Any, ...]:
     facts = _facts.get(node_id)
     if facts is None or not (_lacks(facts) or facts.driver_side != _driver_content()):
         return ()
-
-    def both() -> bytes:
-        return bootstrap.archive(str(_folder()), (str(_driver_folder()), "orchestrator"))
-
-    return (_archive_ref("both", both), both_content())
+    return _carry()
 
 
-def _archive_ref(kind: str, make: Callable[[], bytes]) -> ray.ObjectRef:
-    """The archive `kind` in the object store, put once per connection of this driver."""
+def _carry() -> tuple[ray.ObjectRef, str]:
+    """Our archive in the object store, put once per connection of this driver; its id."""
+    global _archive_put  # noqa: PLW0603 - one driver per process
+    package, content_id = _archive()
     with _lock:
         here = ray.get_runtime_context()
         job = f"{here.get_node_id()}/{here.get_job_id()}"  # job ids start anew per cluster
-        put = _archives.get(kind)
-        if put is None or put[0] != job:
-            put = _archives[kind] = (job, ray.put(make()))
-        return put[1]
+        if _archive_put is None or _archive_put[0] != job:
+            _archive_put = (job, ray.put(package))
+        return _archive_put[1], content_id
 
 
 def rank_actor(node_id: str) -> tuple[Any, tuple[Any, ...]]:
