@@ -165,8 +165,8 @@ class Pool:
         )
         self._env, self._runtime_env, self._post_mortem = env, uploaded, post_mortem
         runtime = local.broker()
-        # On the local runtime ranks run in the script's folder, as on the embedded instance.
-        self._workdir = os.getcwd() if runtime is not None else None
+        # On the local runtime ranks run in the driver's folder, as on the embedded instance.
+        self._workdir = local.driver_paths().cwd if runtime is not None else None
         self._bundle_nodes = bundle_nodes
         if runtime is None:  # what each node has, ours brought where it lacks it
             rankside.check_nodes(set(bundle_nodes.values()), self.name)

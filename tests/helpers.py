@@ -283,3 +283,25 @@ def sigint_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def stop_head(pid: int, wait_s: float = 60.0) -> None:
+    """Stop a `ray start --block` this test started (pid `pid`), loaded machine or not: told
+    (SIGTERM), then, where it is still there after `wait_s`, its whole session killed (as
+    `orchestrator local start` starts it: GCS, raylet and workers with it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        if _running(pid) and os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (neither gone nor a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

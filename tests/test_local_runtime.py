@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator_workers import private
-from tests.helpers import needs_namespaces, readable_by_other_user, sibling_attacks
+from tests.helpers import needs_namespaces, readable_by_other_user, sibling_attacks, stop_head
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,10 +217,9 @@ def runtime() -> Iterator[Runtime]:
     assert not (tmp / "ray" / "ray_current_cluster").exists()
     rt.record = record
     yield rt
-    leftover = rt.cli("status")
-    pid = re.search(r"\(pid (\d+)", leftover.stdout)
-    if pid and _alive(int(pid[1])):  # a failed test left it running: stop our own pid only
-        os.kill(int(pid[1]), signal.SIGTERM)
+    # A failed test may have left it running, and a loaded machine may leave `status` and
+    # `stop` without an answer: stop our own pid, from its record, whatever they say.
+    stop_head(int(record["pid"]))
     for spare in _spare_pids(tmp):
         os.kill(spare, signal.SIGKILL)
     shutil.rmtree(tmp, ignore_errors=True)

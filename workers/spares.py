@@ -74,7 +74,8 @@ class Spare(RankActor):
         supervisor, which outlives its driver's job), when that actor is gone.
 
         `paths` go first on sys.path: what Ray gives the workers of the owner's job
-        (its script's folder and working directory), so its sibling modules import.
+        (its script's folder and working directory; for a supervisor, those of the driver
+        that submitted, recorded there), so its sibling modules import.
         """
         self._label = f"{job_name} r{rank}"
         self._rank = rank
@@ -124,7 +125,8 @@ class ClaimRequest:
     code: str
     """The driver's code_id(): spares serve only the same code and Python."""
     paths: list[str]
-    """Put first on each spare's sys.path (the driver's script folder and working dir)."""
+    """Put first on each spare's sys.path (the driver's script folder and working dir:
+    `local.driver_paths()`), never the claiming supervisor's own."""
     owner_actor: str = ""
     """The claiming actor's name in NAMESPACE, for a detached function's supervisor: the
     spares exit when it is gone, not with its driver's job."""

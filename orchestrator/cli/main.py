@@ -257,11 +257,21 @@ def _local(args: argparse.Namespace) -> int:
     if args.action == "stop":
         print(f"local runtime stopped (pid {local.stop()})")
         return 0
+    return _local_status()
+
+
+def _local_status() -> int:
     found = local.status()
     if found is None:
         print("no local runtime is running (start one: orchestrator local start)")
         return 3
-    address, info = found
+    address, info = found.address, found.info
+    if info is None:
+        print(
+            f"local runtime at {address} (pid {found.pid}) is running, but {found.problem}; "
+            "`orchestrator local status` asks again, `orchestrator local stop` stops it"
+        )
+        return 1
     idle = f"stops after {info.idle_timeout:g} s idle" if info.idle_timeout else "no idle stop"
     print(
         f"local runtime at {address} (pid {info.runtime_pid}, {idle}): "

@@ -17,15 +17,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 
 from orchestrator import _ray_compat
-from orchestrator.connect import cluster, discovery, ray_files, tokens
-from orchestrator.errors import ConfigError, LocalRuntimeError
+from orchestrator.connect import cluster, discovery, probe, ray_files, tokens
+from orchestrator.errors import (
+    ClusterUnreachableError,
+    ConfigError,
+    LocalRuntimeError,
+    OrchestratorError,
+)
 from orchestrator.show import messages
 from orchestrator_workers import private
 from orchestrator_workers.spares import (
@@ -40,6 +47,39 @@ from orchestrator_workers.spares import (
 
 _START_TIMEOUT_S = 120.0
 _said = threading.Event()
+
+
+@dataclass(frozen=True)
+class DriverPaths:
+    """Where a driver's ranks run on the local runtime: as Ray runs its own workers."""
+
+    cwd: str
+    """The driver's working directory: its ranks' own."""
+    sys_path: tuple[str, ...]
+    """First on its ranks' sys.path: its script's folder, its working directory (in an
+    actor, its working directory only: its "script" is Ray's worker)."""
+
+
+_acting_for: list[DriverPaths] = []
+"""The driver this process starts ranks for, where it is not that driver (`act_for`)."""
+
+
+def driver_paths() -> DriverPaths:
+    """Where this driver's ranks run; in a detached function's supervisor, its driver's."""
+    if _acting_for:
+        return _acting_for[0]
+    cwd = os.getcwd()
+    in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    script_dir = os.path.dirname(os.path.realpath(sys.argv[0])) if sys.argv and sys.argv[0] else ""
+    if script_dir and script_dir in sys.path and not in_actor:
+        return DriverPaths(cwd, (script_dir, cwd))
+    return DriverPaths(cwd, (cwd,))
+
+
+def act_for(paths: DriverPaths) -> None:
+    """Start this process's ranks where the driver at `paths` runs (recorded at its submit):
+    a supervisor's own working directory is never theirs."""
+    _acting_for[:] = [paths]
 
 
 def broker() -> Any | None:
@@ -70,7 +110,7 @@ def spares_for(
         pool_id=pool_id,
         ranks_by_node=ranks_by_node,
         code=code,
-        paths=_driver_paths(in_actor=actor is not None),
+        paths=list(driver_paths().sys_path),
         owner_actor=actor or "",
     )
     try:
@@ -85,17 +125,6 @@ def spares_for(
             "orchestrator local stop && orchestrator local start"
         )
     return taken
-
-
-def _driver_paths(*, in_actor: bool = False) -> list[str]:
-    """What Ray puts on sys.path for this driver's workers: its script's folder, its cwd
-    (in an actor, its cwd only: its "script" is Ray's worker)."""
-    paths = []
-    script_dir = os.path.dirname(os.path.realpath(sys.argv[0])) if sys.argv and sys.argv[0] else ""
-    if script_dir and script_dir in sys.path and not in_actor:
-        paths.append(script_dir)
-    paths.append(os.path.abspath(os.curdir))
-    return paths
 
 
 def _say_once(message: str) -> None:
@@ -126,6 +155,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         tokens.ensure_token(LocalRuntimeError)
     log = _log_path(port)
     temp_dir = _runtime_temp_dir(port)
+    work = _work_folder()
     command = [
         *_ray_command(),
         "start",
@@ -143,6 +173,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            cwd=work,  # its workers' (the spares'), never the folder this ran in: /tmp, say
             # On SIGTERM Ray would wait up to 30 s for busy nodes to drain; spares never are.
             env={
                 "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
@@ -159,7 +190,8 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         record = discovery.record_path(port)
         fields = {"address": address, "pid": process.pid, "auth": auth, "temp_dir": temp_dir}
         private.write(record, json.dumps(fields))
-        cluster.connect(address)
+        with _working_in(work):  # Ray puts it first on the sys.path of this job's spares
+            cluster.connect(address)
         # Stopping itself when idle, it removes the files naming it, as `stop` does.
         names = [str(record), str(address_file)]
         broker: Any = RemoteBroker.options(  # an actor handle: Ray types its methods loosely
@@ -180,17 +212,22 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         raise
 
 
+STOP_WAIT_S = 60.0
+"""How long `ray start --block` has to stop what it started, once told (SIGTERM); then its
+whole process group is killed."""
+
+
 def stop() -> int:
-    """Stop the runtime's Ray processes; the pid that was stopped."""
+    """Stop the runtime's Ray processes, however busy they are; the pid that was stopped.
+
+    Its record names the pid: nothing is asked of Ray, which may be too busy to answer.
+    """
     live, _ = discovery.local_cluster()
     record = discovery.runtime_record(live) if live else None
-    info = _runtime(live) if live else None
-    pid = info.runtime_pid if info else None
-    if pid is None and record:
-        pid = record.pid  # its broker is gone, its Ray is not
-    if pid is None or live is None:
+    if record is None or live is None:
         where = f"the Ray cluster at {live} was not started by it" if live else "no Ray runs here"
         raise LocalRuntimeError(f"no local runtime is running ({where})")
+    pid = record.pid
     why_not = discovery.runtime_not_ours(pid, live)
     if why_not:
         raise LocalRuntimeError(
@@ -200,22 +237,46 @@ def stop() -> int:
     ray.shutdown()
     if discovery.alive(pid):
         os.kill(pid, signal.SIGTERM)  # `ray start --block` stops what it started
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + STOP_WAIT_S
     while discovery.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if discovery.alive(pid):
-        raise LocalRuntimeError(f"the local runtime (pid {pid}) did not stop in 60 s")
+    if discovery.alive(pid) and os.getpgid(pid) == pid:  # its own session: `start` made it
+        os.killpg(pid, signal.SIGKILL)  # its GCS, raylet and workers with it
+        messages.say(f"the local runtime (pid {pid}) did not stop in {STOP_WAIT_S:g} s: killed")
     # Ray leaves its address file behind: named by nobody, the port could be squatted.
-    if record is not None:
-        discovery.forget(record)
+    discovery.forget(record)
     return pid
 
 
-def status() -> tuple[str, RuntimeInfo] | None:
-    """(address, state) of the runtime running here, or None."""
+@dataclass(frozen=True)
+class Status:
+    """The local runtime running here, as `orchestrator local status` shows it."""
+
+    address: str
+    pid: int
+    """Its `ray start --block` process (from its record)."""
+    info: RuntimeInfo | None
+    """What its broker says; None where it did not answer (see `problem`)."""
+    problem: str = ""
+
+
+def status() -> Status | None:
+    """The runtime running here, or None where none runs; one that runs but does not
+    answer in time (a loaded machine) is said so, never taken for none."""
     live, _ = discovery.local_cluster()
-    info = _runtime(live) if live else None
-    return (live, info) if live and info else None
+    record = discovery.runtime_record(live) if live else None
+    if live is None or record is None:
+        return None
+    try:
+        info = _runtime(live)
+    except ClusterUnreachableError:  # its GCS: a machine too busy, or a process stopped
+        late = f"it did not answer within {probe.REACH_TIMEOUT_S:g} s (a busy machine?)"
+        return Status(live, record.pid, None, late)
+    except (OrchestratorError, RayError, ConnectionError, TimeoutError) as exc:
+        return Status(live, record.pid, None, f"it did not answer ({exc})")
+    if info is None:
+        return Status(live, record.pid, None, "its broker, which keeps the warm processes, is gone")
+    return Status(live, record.pid, info)
 
 
 def claims() -> list[Claim]:
@@ -263,6 +324,27 @@ def _ray_command() -> list[str]:
 def _log_path(port: int) -> Path:
     """`ray start`'s output, in this user's state folder (Ray's own is open to every user)."""
     return _private(private.state_folder) / f"local-runtime-{port}.log"
+
+
+def _work_folder() -> Path:
+    """The runtime's working folder, empty and this user's alone (0700, in the state folder,
+    where no other user can make or replace it): its processes run there."""
+    folder = _private(private.state_folder) / "work"
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    return folder
+
+
+@contextlib.contextmanager
+def _working_in(folder: Path) -> Iterator[None]:
+    """This process in `folder` for a while, then back where it was (even a removed one)."""
+    back = os.open(".", os.O_RDONLY)
+    try:
+        os.chdir(folder)
+        yield
+    finally:
+        os.fchdir(back)
+        os.close(back)
 
 
 def _runtime_temp_dir(port: int) -> str:
