@@ -342,24 +342,24 @@ def _kv(function: str, *args: Any) -> Any:
 def kv_get(key: str) -> bytes | None:
     """The value of `key` in the connected cluster's key-value store; None where unset.
     Degraded: None (the caller works it out afresh)."""
-    value = _kv("_internal_kv_get", key)
+    value = _kv("_internal_kv_get", key.encode(errors="surrogateescape"))
     return value if isinstance(value, bytes) else None
 
 
 def kv_put(key: str, value: bytes) -> None:
     """Set `key` in the connected cluster's key-value store. Degraded: nothing is kept."""
-    _kv("_internal_kv_put", key, value, True)  # overwrite
+    _kv("_internal_kv_put", key.encode(errors="surrogateescape"), value, True)  # overwrite
 
 
 def kv_keys(prefix: str) -> list[str]:
-    """The keys under `prefix` in the connected cluster's key-value store. Degraded: none."""
+    """The keys under `prefix` (bytes not UTF-8 as surrogates) in the KV store. Degraded: none."""
     keys = _kv("_internal_kv_list", prefix) or []
-    return sorted(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
+    return sorted(k.decode(errors="surrogateescape") if isinstance(k, bytes) else k for k in keys)
 
 
 def kv_delete(key: str) -> None:
     """Remove `key` from the connected cluster's key-value store. Degraded: it stays."""
-    _kv("_internal_kv_del", key)
+    _kv("_internal_kv_del", key.encode(errors="surrogateescape"))
 
 
 def upload_runtime_env(runtime_env: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,13 +8,15 @@ import time
 
 import ray
 
-from orchestrator.supervise import catalog, detached, follow
+from orchestrator.show.text import printable
+from orchestrator.supervise import catalog, detached, follow, registry
 from orchestrator_workers.protocol import SUPERVISOR_PREFIX
 
 
 def jobs(address: str | None) -> int:
     """Print every detached job (id, state, ranks, nodes, age, who started it), then the
-    warm pools that wait for a next call, and what they hold."""
+    warm pools that wait for a next call, and what they hold. What the cluster recorded is
+    printed with its control characters escaped: any token holder may have written it."""
     found = catalog.list_jobs(address)
     listed = [job for job in found if not job.is_pool]
     pools = [job for job in found if job.is_pool]
@@ -25,7 +27,7 @@ def jobs(address: str | None) -> int:
         for job in listed:
             started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.started))
             nodes = ",".join(job.nodes) or "-"
-            ranks = "-" if job.state == catalog.LOST else str(job.ranks)
+            ranks = "-" if job.state in (catalog.LOST, catalog.EARLIER) else str(job.ranks)
             rows.append((job.id, job.state, ranks, nodes, started, job.user))
         _print_rows(rows)
     if pools:
@@ -41,6 +43,7 @@ def jobs(address: str | None) -> int:
 
 
 def _print_rows(rows: list[tuple[str, ...]]) -> None:
+    rows = [tuple(map(printable, row)) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
@@ -74,16 +77,18 @@ def logs(job_id: str, rank: int | None, keep_following: bool, address: str | Non
 
 def stop(job_id: str, address: str | None) -> int:
     """Stop a detached job's ranks (or release a warm pool, given its supervisor; or forget
-    a lost supervisor)."""
+    a lost supervisor; or remove a record that cannot be read, given its key)."""
+    if job_id.startswith(registry.RECORDS):
+        detached.connect_lasting(address)
+        for key in catalog.remove_unreadable(job_id):
+            print(f"removed {printable(key)}, which could not be read, from the cluster")
+        return 0
     if job_id.startswith(SUPERVISOR_PREFIX) and catalog.release_pool(job_id, address):
-        print(f"{job_id} releases its warm pool (once no job of it runs)")
+        print(f"{printable(job_id)} releases its warm pool (once no job of it runs)")
         return 0
     if job_id.startswith(SUPERVISOR_PREFIX) and catalog.forget_lost(job_id):
-        print(f"{job_id} was gone with its jobs; its record is removed")
+        print(f"{printable(job_id)} was gone with its jobs; its record is removed")
         return 0
-    job = catalog.get_job(job_id, address, show=False)
-    if job.cancel():
-        print(f"stopped job {job.id}")
-    else:
-        print(f"job {job.id} had ended already ({job.status().state})")
+    detached.connect_lasting(address)
+    print(catalog.stop(job_id))
     return 0

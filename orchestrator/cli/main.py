@@ -304,7 +304,7 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
         "follows the job until it ends: Ctrl-C stops following, not the job.",
         epilog="example: orchestrator logs train-3f9a1c -f",
     )
-    logs_cmd.add_argument("id", help="the job's id (or its name: its newest job)")
+    logs_cmd.add_argument("id", help="the job's id (or its name: your newest job of that name)")
     logs_cmd.add_argument("--rank", type=int, help="only this rank")
     logs_cmd.add_argument("-f", "--follow", action="store_true", help="follow it to its end")
     logs_cmd.add_argument("--address", help=address_help)
@@ -313,7 +313,11 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
         help="stop a detached job's ranks",
         description="Stop every rank of a detached job (as job.cancel() does).",
     )
-    stop_cmd.add_argument("id", help="the job's id (or its name: its newest job)")
+    stop_cmd.add_argument(
+        "id",
+        help="the job's id (or its name: your newest job of that name); a warm pool's "
+        "supervisor; or the key of a record that cannot be read, as the warning wrote it",
+    )
     stop_cmd.add_argument("--address", help=address_help)
 
 

@@ -50,3 +50,19 @@ def format_size(size: float) -> str:
             )
         size /= 1024
     return f"{size:.1f} TB"
+
+
+def printable(text: str) -> str:
+    """`text` with each character a terminal acts on or hides (control and format
+    characters, lone surrogates) escaped as Python writes it: ESC as \\x1b. For what the
+    cluster records (a job's id, name, BY, nodes, state, supervisor), which any token
+    holder may write, never for a rank's own output."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escaped(ord(char)) for char in text)
+
+
+def _escaped(code: int) -> str:
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

@@ -4,10 +4,10 @@ warm one adopted) and its calls sent. The cluster's detached jobs are found agai
 
 `distribute(..., detach=True)` gives the function a `Detached` in place of a `Runner`: each
 call goes to the function's supervisor and comes back as a `FollowedJob`. Each supervisor
-is recorded in the cluster's key-value store (`supervise.registry`) and keeps its jobs'
-records, so `get_job` and `list_jobs` find a job from any process that reaches the cluster
-by asking the supervisors; each warm pool is recorded too, so a later driver asking for
-the same pool gets its ranks.
+is recorded in the cluster's key-value store (`supervise.registry`) and publishes its jobs
+there (`supervise.listing`), so `get_job` and `list_jobs` find a job from any process that
+reaches the cluster; each warm pool is recorded too, so a later driver asking for the same
+pool gets its ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator import shipping
-from orchestrator.connect import cluster, discovery, rankside
+from orchestrator.connect import cluster, discovery, local, rankside
 from orchestrator.errors import BusyError, ConfigError
 from orchestrator.options import Options
 from orchestrator.show import messages
@@ -247,7 +247,8 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
     of the same kind (see `registry.pool_key`), else a new one on the head node; (handle,
     its name)."""
     connect_lasting(options.address)
-    key = registry.pool_key(options)
+    paths = local.driver_paths()  # where its ranks run: this driver's, recorded now
+    key = registry.pool_key(options, paths)
     left = _adopt(key)
     if left is not None:
         messages.say(f"using the warm ranks an earlier driver left ({left[1]})", job=name)
@@ -268,6 +269,7 @@ def start_supervisor(name: str, options: Options) -> tuple[Any, str]:
         wire(_in_cluster(options)),  # by value: a setup hook defined in the script
         key,
         actor_name,
+        wire(paths),
     )
     try:
         ray.get(handle.ready.remote(), timeout=START_TIMEOUT_S)

@@ -3,10 +3,10 @@
 It runs where the driver's runner would (`orchestrator.runner`): it starts the rank actors
 itself, so that they belong to it and not to the driver, runs each call, restarts, watches
 for stalls and timeouts, and keeps each job's output (a `Journal`), its log files, status
-and outcome until they are released, with each job's record: it answers for them to any
-process that finds it (`find`, `jobs`; `supervise.registry` records only the supervisor).
-Drivers only follow: they read pages of the journal and snapshots of the state
-(`supervise.follow`).
+and outcome until they are released, with each job's record: it publishes them, with
+their state, and its warm pool, as JSON in the cluster's key-value store for any process
+that lists or finds them (`supervise.listing`). Drivers only follow: they read pages of
+the journal and snapshots of the state (`supervise.follow`).
 
 It runs on the head node: losing the head loses the cluster's control store anyway, so the
 supervisor adds no node whose loss would end jobs that could otherwise go on.
@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from orchestrator.connect import bootstrap
+from orchestrator.connect import bootstrap, local
 from orchestrator.errors import OrchestratorError
 from orchestrator.job import Job, JobStatus
 from orchestrator.options import Options
@@ -31,7 +31,7 @@ from orchestrator.runner import Runner
 from orchestrator.shipping import Shipment
 from orchestrator.show.logs import Bulk
 from orchestrator.show.notebook import Table
-from orchestrator.supervise import direct, registry
+from orchestrator.supervise import direct, listing, registry
 from orchestrator.supervise.journal import Journal
 from orchestrator_workers.protocol import Payload, unwire, wire
 
@@ -92,12 +92,16 @@ class _Kept:
 class Supervisor:
     """Runs one detached function's calls and keeps each job's output and outcome."""
 
-    def __init__(self, name: str, options: bytes, pool_key: str, actor_name: str) -> None:
+    def __init__(
+        self, name: str, options: bytes, pool_key: str, actor_name: str, paths: bytes
+    ) -> None:
         """A supervisor of the function named `name`, laid out as `options` (wired: they
         are read once our code is on the path) say; its warm pool is recorded under
-        `pool_key` for later drivers, with this actor's name `actor_name`."""
+        `pool_key` for later drivers, with this actor's name `actor_name`; its ranks run
+        where its driver ran (`paths`: a `local.DriverPaths`, wired)."""
         self.name = name
         self.options: Options = unwire(options)
+        local.act_for(unwire(paths))
         self._pool_key = pool_key
         self._actor_name = actor_name
         self._ending = False
@@ -111,6 +115,7 @@ class Supervisor:
         self._submitted = False
         self._submitting = 0
         """Calls being queued now (the janitor does not end this actor under them)."""
+        self._publisher = listing.Publisher(actor_name, self._listed, self._pool_fields)
         threading.Thread(target=self._janitor, name="janitor", daemon=True).start()
 
     def ready(self) -> bool:
@@ -124,24 +129,18 @@ class Supervisor:
             if self._ending:
                 return False
             self._idle_since = time.monotonic()
-            return True
+        self._publisher.changed()
+        return True
 
-    def pool_info(self) -> dict[str, Any]:
-        """What its warm pool holds now, for `orchestrator jobs`."""
-        pool = self._runner.pool
-        idle = None if self._runner.busy_with() is not None else time.monotonic() - self._idle_since
-        ranks = len(pool.actors) if pool is not None else 0
-        asked = pool.request if pool is not None else None
-        return {
-            "supervisor": self._actor_name,
-            "name": self.name,
-            "ranks": ranks,
-            "nodes": sorted({info.node_ip for info in pool.infos}) if pool is not None else [],
-            "cpus": ranks * asked.cpus_per_replica if asked is not None else 0,
-            "gpus": ranks * asked.gpus_per_replica if asked is not None else 0,
-            "idle_s": idle,
-            "idle_timeout": self.options.idle_timeout,
-        }
+    def _listed(self) -> list[tuple[registry.JobRecord, Job[Any]]]:
+        """The jobs it keeps now, for its `listing.Publisher`."""
+        with self._lock:
+            return [(kept.record, kept.job) for kept in self._jobs.values()]
+
+    def _pool_fields(self) -> dict[str, Any]:
+        """Its warm pool now, for its `listing.Publisher`."""
+        idle_timeout = self.options.idle_timeout
+        return listing.pool_fields(self.name, self._runner, self._idle_since, idle_timeout)
 
     def submit(self, packed: bytes, limit: int, wait_s: float) -> bytes:
         """Queue one call, packed by the driver: (record, payload, uses_torch, options,
@@ -215,6 +214,8 @@ class Supervisor:
             job = self._runner.submit_packed(
                 payload, uses_torch, options, journal=journal, lend=lend, driver_call=call
             )
+            mine = call is not None
+            job.add_done_callback(lambda _: self._publisher.ended(job_id, driver_call=mine))
             job.add_done_callback(lambda _: journal.close())  # after its last output is in
         except BaseException:
             with self._lock:
@@ -224,29 +225,8 @@ class Supervisor:
             self._submitting -= 1
             self._jobs[job_id] = _Kept(record, job, journal, options.retention)
             self._submitted = True
+        self._publisher.came(job_id, driver_call=call is not None)
         return job_id
-
-    def find(self, id_or_name: str) -> bytes:
-        """The record of job `id_or_name` if this supervisor keeps it, or of its newest job
-        of that name; None if neither: wired."""
-        with self._lock:
-            kept = self._jobs.get(id_or_name)
-            named = [k.record for k in self._jobs.values() if k.record.name == id_or_name]
-        if kept is not None:
-            return wire(kept.record)
-        return wire(max(named, key=lambda record: record.started, default=None))
-
-    def jobs(self) -> bytes:
-        """Every job it keeps, oldest first, with its state and nodes now: [(JobRecord,
-        state, nodes)], wired (`list_jobs` asks each supervisor once)."""
-        with self._lock:
-            kept = list(self._jobs.values())
-        found = []
-        for each in sorted(kept, key=lambda k: k.record.started):
-            status = each.job.status()
-            nodes = tuple(sorted({rank.node_ip for rank in status.ranks if rank.node_ip}))
-            found.append((each.record, str(status.state), nodes))
-        return wire(found)
 
     def read(self, job_id: str, after: int, limit: int, wait_s: float) -> bytes:
         """Journal entries of `job_id` after position `after` (see `Journal.read`), and
@@ -324,7 +304,8 @@ class Supervisor:
             if kept is not None and not kept.job.done():
                 return False
             self._jobs.pop(job_id, None)
-            return True
+        self._publisher.publish(job_id)  # gone from the listing before its driver hears so
+        return True
 
     def release_when_idle(self) -> None:
         """Release the warm pool as soon as no job runs or waits (now, if none does)."""
@@ -356,11 +337,13 @@ class Supervisor:
                 for job_id, kept in list(self._jobs.items()):
                     if kept.job.done() and now - kept.done_at(now) >= kept.retention:
                         del self._jobs[job_id]
+                        self._publisher.changed()
                 empty = not self._jobs and not self._submitting
                 unused = self._submitted or now - self._started >= idle_timeout
                 self._ending = empty and unused and self._runner.pool is None
             if self._ending:
                 with contextlib.suppress(Exception):  # else it stays, listed as lost
+                    self._publisher.close()
                     registry.forget_supervisor(self._actor_name)
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
