@@ -76,15 +76,18 @@ class Greeters:
         *,
         wait_s: Callable[[], float],
         name: str,
+        link_name: str = "",
     ) -> None:
         """Accept on `listener` (listening) in a thread named `name`; greet each connection
-        with `greet`, within `wait_s()` seconds of its accept; `serve` the proven ones."""
+        with `greet`, within `wait_s()` seconds of its accept; `serve` the proven ones, each
+        in a thread named `link_name` (default: NAME-link)."""
         self.limit = LIMIT
         """Connections greeting at once, at most (tests may lower it)."""
         self.per_source = PER_SOURCE
         """Connections from one source greeting at once, at most (tests may lower it)."""
         self._listener = listener
-        self._greet, self._serve, self._wait_s, self._name = greet, serve, wait_s, name
+        self._greet, self._serve, self._wait_s = greet, serve, wait_s
+        self._link_name = link_name or f"{name}-link"
         self._by_process = listener.family == socket.AF_UNIX
         self._greeting: dict[socket.socket, _Greeter] = {}
         """Oldest first."""
@@ -225,7 +228,7 @@ class Greeters:
         try:
             conn.setblocking(True)
             threading.Thread(
-                target=self._serve, args=(conn, proven), name=f"{self._name}-link", daemon=True
+                target=self._serve, args=(conn, proven), name=self._link_name, daemon=True
             ).start()
         except (OSError, RuntimeError):  # no thread to be had: that peer fails; wait
             conn.close()

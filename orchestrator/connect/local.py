@@ -70,9 +70,11 @@ def driver_paths() -> DriverPaths:
         return _acting_for[0]
     cwd = os.getcwd()
     in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-    script_dir = os.path.dirname(os.path.realpath(sys.argv[0])) if sys.argv and sys.argv[0] else ""
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else ""
+    script_dir = os.path.dirname(os.path.realpath(script)) if script else ""
     if script_dir and script_dir in sys.path and not in_actor:
-        return DriverPaths(cwd, (script_dir, cwd))
+        # Each once: two drivers whose ranks would run alike share a warm pool (its key).
+        return DriverPaths(cwd, tuple(dict.fromkeys((script_dir, cwd))))
     return DriverPaths(cwd, (cwd,))
 
 
