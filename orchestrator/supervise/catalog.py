@@ -76,8 +76,10 @@ def _find(id_or_name: str) -> tuple[registry.JobRecord, Any, str | None]:
     listed: listing.Listed | None = None
     listing_of: dict[str, listing.Pooled] = {}
     groups = (first, {actor_name for actor_name, _, _ in recorded} - first)
-    for look in range(3):  # a driver's own call in a loop is listed within 2 x SETTLE_S
-        time.sleep(2 * listing.SETTLE_S if look else 0)
+    # A driver's own call in a loop is listed within WRITE_EVERY_S + SETTLE_S: where a
+    # supervisor of that function lives, it is looked for that long.
+    deadline = time.monotonic() + listing.WRITE_EVERY_S + 2 * listing.SETTLE_S
+    while True:
         for group in groups:
             jobs, pools = listing.published(group.__contains__) if group else ([], {})
             listing_of.update(pools)
@@ -86,8 +88,9 @@ def _find(id_or_name: str) -> tuple[registry.JobRecord, Any, str | None]:
             listed = _choose(id_or_name, exact or by_name)
             if listed is not None:
                 break
-        if listed is not None or not recorded:
+        if listed is not None or not first or time.monotonic() > deadline:
             break
+        time.sleep(0.2)
     if listed is not None:
         record = listed.record
         handle = find_supervisor(record.supervisor)
