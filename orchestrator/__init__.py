@@ -21,13 +21,13 @@ if TYPE_CHECKING:
         PlacementError,
         PlacementTimeoutError,
         StallError,
+        SupervisorLostError,
     )
     from orchestrator.function import DistributedFunction, distribute
     from orchestrator.job import Job, JobStatus, RankStatus
     from orchestrator.options import CallOptions, default_log_dir
     from orchestrator.supervise.catalog import JobInfo, get_job, list_jobs
     from orchestrator.supervise.follow import FollowedJob
-    from orchestrator.supervise.link import SupervisorLostError
     from orchestrator_workers.protocol import RankFailure
     from orchestrator_workers.states import State
 
@@ -44,12 +44,12 @@ _WHERE = {
         "PlacementError",
         "PlacementTimeoutError",
         "StallError",
+        "SupervisorLostError",
     ),
     "orchestrator.job": ("Job", "JobStatus", "RankStatus"),
     "orchestrator.options": ("CallOptions", "default_log_dir"),
     "orchestrator.supervise.catalog": ("JobInfo", "get_job", "list_jobs"),
     "orchestrator.supervise.follow": ("FollowedJob",),
-    "orchestrator.supervise.link": ("SupervisorLostError",),
     "orchestrator_workers.protocol": ("RankFailure",),
     "orchestrator_workers.states": ("State",),
 }

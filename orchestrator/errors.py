@@ -16,6 +16,10 @@ OrchestratorError
  ├── PlacementError                  the cluster can never hold the request
  │    └── PlacementTimeoutError      it could not be placed within placement_timeout
  │                                   (also TimeoutError)
+ ├── SupervisorLostError             a detached job's supervisor is gone (its node was
+ │                                   lost, or it was killed)
+ ├── SupervisorEndedError            a call came to a detached function's supervisor as
+ │                                   it ended (the driver starts a new one, once)
  └── DistributedError                a call failed on one or more ranks; its class
       │                              also derives from the root cause's type, so
       │                              `except ValueError:` catches a rank's ValueError
@@ -23,6 +27,18 @@ OrchestratorError
            │                         carries every rank's current stacks
            └── StallError            on_stall="raise": its ranks made no progress for
                                      stall_after; the report of who waits where, first
+
+Raised in a rank by the rank side (`orchestrator_workers.errors`, which never imports this
+package), re-exported here and by `orchestrator.snapshot`:
+
+RuntimeError
+ └── SnapshotError                   an in-memory snapshot cannot be saved or restored
+      │                              as asked (outside distribute(), another API's...)
+      └── SnapshotMemoryError        a node lacks the memory for one: its step, ranks,
+                                     and the bytes needed and available
+
+Never raised to a user: StopRequested (a cancelled job, to its waiting thread) and
+BadRecord (a record in the cluster's key-value store that this version cannot read).
 """
 
 from __future__ import annotations
@@ -39,6 +55,10 @@ import cloudpickle
 from orchestrator import logfiles
 from orchestrator.logfiles import read_log
 from orchestrator.show.text import describe_rank
+from orchestrator_workers.errors import (  # noqa: F401 - re-exported: the one tree
+    SnapshotError,
+    SnapshotMemoryError,
+)
 from orchestrator_workers.protocol import RankFailure
 
 CRASH = "crash"
@@ -86,6 +106,11 @@ class StopRequested(Exception):
     """The job was cancelled while this thread waited for it (internal: never raised to users)."""
 
 
+class BadRecord(ValueError):
+    """A record in the cluster's key-value store that this version cannot read (internal:
+    the record is skipped, and named once)."""
+
+
 class BusyError(OrchestratorError):
     """The function's previous call still runs and the caller asked not to queue."""
 
@@ -113,6 +138,15 @@ class PlacementError(OrchestratorError):
 
 class PlacementTimeoutError(PlacementError, TimeoutError):
     """The request could not be placed within `placement_timeout` (other jobs hold it)."""
+
+
+class SupervisorLostError(OrchestratorError):
+    """The supervisor of a detached job is gone (its node was lost, or it was killed)."""
+
+
+class SupervisorEndedError(OrchestratorError):
+    """A call came to a supervisor that ends (its pool released, no job kept): the driver
+    starts a new one."""
 
 
 class DistributedError(OrchestratorError):

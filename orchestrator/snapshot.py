@@ -5,12 +5,23 @@ loaded on first use: they import torch.distributed.checkpoint)."""
 
 from typing import TYPE_CHECKING, Any
 
-from orchestrator_workers.snapshot import Restored, SnapshotError, restore, save
+from orchestrator_workers.errors import SnapshotError, SnapshotMemoryError
+from orchestrator_workers.snapshot import Restored, restore, save
 
 if TYPE_CHECKING:
     from orchestrator_workers.dcp import Reader, Writer, reader, writer
 
-__all__ = ["Reader", "Restored", "SnapshotError", "Writer", "reader", "restore", "save", "writer"]
+__all__ = [
+    "Reader",
+    "Restored",
+    "SnapshotError",
+    "SnapshotMemoryError",
+    "Writer",
+    "reader",
+    "restore",
+    "save",
+    "writer",
+]
 
 _DCP = frozenset({"Reader", "Writer", "reader", "writer"})
 

@@ -65,6 +65,73 @@ def test_public_api_is_small_and_stable():
         assert (Path(importlib.import_module(package).__file__).parent / "py.typed").exists()
 
 
+def test_every_exception_the_driver_side_defines_is_in_one_tree():
+    """orchestrator/errors.py defines them all (and draws them at its top); the rank side's
+    snapshot errors are reached from there and from orchestrator.snapshot alike."""
+    import ast
+    import builtins
+
+    from orchestrator import errors, snapshot
+
+    package = Path(orchestrator.__file__).parent
+    elsewhere = []
+    for path in package.rglob("*.py"):
+        if path.name == "errors.py" and path.parent == package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases]
+            built = [getattr(builtins, b, None) for b in bases]
+            if any(b.endswith(("Error", "Exception")) for b in bases) or any(
+                isinstance(b, type) and issubclass(b, BaseException) for b in built
+            ):
+                elsewhere.append(f"{path.relative_to(package)}: {node.name}")
+    assert not elsewhere, elsewhere
+    tree = errors.__doc__ or ""
+    for name, value in vars(errors).items():
+        if isinstance(value, type) and issubclass(value, BaseException):
+            assert name in tree, f"{name} is not drawn in errors.py's tree"
+    assert errors.SnapshotError is snapshot.SnapshotError
+    assert errors.SnapshotMemoryError is snapshot.SnapshotMemoryError
+    assert issubclass(errors.SnapshotMemoryError, errors.SnapshotError)
+    assert issubclass(errors.SnapshotError, RuntimeError)
+
+
+def test_a_snapshot_s_memory_error_carries_its_numbers_to_the_driver():
+    """Raised in a rank, pickled to the driver: the DistributedError is a
+    SnapshotMemoryError too, and the rank's own error keeps its fields."""
+    import pickle
+
+    import cloudpickle
+
+    from orchestrator import errors
+    from orchestrator_workers.protocol import RankFailure
+
+    raised = errors.SnapshotMemoryError(29, [2, 3], 5 * 2**30, 2**30)
+    assert "step 29 needs 5.00 GiB more memory on the node of ranks 2, 3" in str(raised)
+    again = pickle.loads(pickle.dumps(raised))  # noqa: S301 - our own
+    fields = (again.step, again.ranks, again.needed, again.available)
+    assert fields == (29, (2, 3), 5 << 30, 1 << 30)
+    assert str(again) == str(raised)
+    failure = RankFailure(
+        rank=2,
+        local_rank=0,
+        node_ip="10.0.0.2",
+        hostname="h",
+        pid=7,
+        time=1.0,
+        exc_type="orchestrator_workers.errors.SnapshotMemoryError",
+        message=str(raised),
+        traceback="",
+        exception=cloudpickle.dumps(raised),
+    )
+    error = errors.distributed_error([failure])
+    assert isinstance(error, errors.SnapshotMemoryError)
+    assert isinstance(error, errors.DistributedError)
+    assert "raised orchestrator_workers.errors.SnapshotMemoryError: the in-memory" in str(error)
+
+
 def test_distribute_s_keywords_are_the_options_dataclass():
     """Options is the one definition: distribute() spells out the same names, defaults
     and types for editors and type checkers, and with_options takes the per-call ones."""

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from orchestrator_workers import snapshot
-from orchestrator_workers.frames import SnapshotError
+from orchestrator_workers.errors import SnapshotError
 
 _Key = tuple[str, tuple[int, ...] | None]
 

@@ -12,14 +12,12 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from orchestrator_workers.errors import SnapshotError
+
 if TYPE_CHECKING:
     import torch
 
 _ALIGN = 64
-
-
-class SnapshotError(RuntimeError):
-    """A snapshot that cannot be taken or used (not in a rank, no room, no group)."""
 
 
 class _Pickler(pickle.Pickler):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from orchestrator_workers import buddies, frames
-from orchestrator_workers.frames import SnapshotError
+from orchestrator_workers.errors import SnapshotError, SnapshotMemoryError
 
 if TYPE_CHECKING:
     import torch
@@ -360,18 +360,8 @@ def _check_room(ranks: list[Any], step: int) -> None:
     short = [(w, n, a, m) for w, (n, a, m) in nodes.items() if n > a]
     if not short:
         return
-    where, need, available, members = short[0]
-    raise SnapshotError(
-        f"the in-memory snapshot of step {step} needs {_gb(need)} more memory on the node "
-        f"of ranks {', '.join(map(str, members))} (their own copies, and the copies they "
-        f"keep for their buddies, all in process memory), and {_gb(available)} is "
-        "available there (MemAvailable, or the container's memory limit): save less "
-        "state, run fewer ranks per node, or checkpoint to disk instead"
-    )
-
-
-def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    _, need, available, members = short[0]
+    raise SnapshotMemoryError(step, members, need, available)
 
 
 def _pause(step: int, rank: int) -> threading.Event | None:

@@ -20,13 +20,13 @@ from typing import Any
 import ray
 
 from orchestrator.connect import rankside
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, SupervisorLostError
 from orchestrator.show import messages
 from orchestrator.show.text import printable
 from orchestrator.supervise import listing, registry
 from orchestrator.supervise.detached import connect_lasting, find_supervisor
 from orchestrator.supervise.follow import FollowedJob
-from orchestrator.supervise.link import ASK_TIMEOUT_S, SupervisorLostError
+from orchestrator.supervise.link import ASK_TIMEOUT_S
 from orchestrator_workers.states import State
 
 BACKLOG_LINES = 1_000

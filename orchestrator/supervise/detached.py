@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator import shipping
 from orchestrator.connect import cluster, discovery, local, rankside
-from orchestrator.errors import BusyError, ConfigError
+from orchestrator.errors import BusyError, ConfigError, SupervisorEndedError
 from orchestrator.options import Options
 from orchestrator.show import messages
 from orchestrator.supervise import direct, registry
@@ -38,7 +38,6 @@ from orchestrator.supervise.supervisor import (
     Outcome,
     RemoteShell,
     RemoteSupervisor,
-    SupervisorEndedError,
 )
 from orchestrator_workers.protocol import Payload, unwire, wire
 

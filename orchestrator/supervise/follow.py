@@ -20,11 +20,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from orchestrator import job as jobs
 from orchestrator.connect import cluster
+from orchestrator.errors import SupervisorLostError
 from orchestrator.job import CANCELLED, Job, JobStatus, RankStatus, restart_line
 from orchestrator.show import messages
 from orchestrator.show.logs import Console
 from orchestrator.show.notebook import Table
-from orchestrator.supervise.link import ASK_TIMEOUT_S, SupervisorLink, SupervisorLostError
+from orchestrator.supervise.link import ASK_TIMEOUT_S, SupervisorLink
 from orchestrator.supervise.registry import JobRecord
 from orchestrator.supervise.supervisor import Outcome, Snapshot
 from orchestrator_workers.protocol import unwire

@@ -12,7 +12,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from orchestrator.connect import cluster
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import SupervisorLostError
 from orchestrator.show import messages
 from orchestrator.supervise.supervisor import NAMESPACE
 
@@ -20,10 +20,6 @@ RETRY_S = 1.0
 """While the supervisor cannot be reached (the network is down), how often to try again."""
 ASK_TIMEOUT_S = 30.0
 """How long one question to the supervisor may take before it counts as unreachable."""
-
-
-class SupervisorLostError(OrchestratorError):
-    """The supervisor of a detached job is gone (its node was lost, or it was killed)."""
 
 
 class SupervisorLink:

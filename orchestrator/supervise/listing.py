@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import _ray_compat
+from orchestrator.errors import BadRecord
 from orchestrator.supervise import registry
-from orchestrator.supervise.registry import BadRecord, JobRecord
+from orchestrator.supervise.registry import JobRecord
 
 if TYPE_CHECKING:
     from orchestrator.job import Job

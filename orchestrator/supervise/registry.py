@@ -30,6 +30,7 @@ import cloudpickle
 
 from orchestrator import _ray_compat
 from orchestrator.connect import local, rankside
+from orchestrator.errors import BadRecord
 from orchestrator.options import Options
 from orchestrator.show import messages
 from orchestrator.show.text import printable
@@ -49,10 +50,6 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A detached function's name, as `distribute(name=...)` allows it."""
 SUPERVISOR = re.compile(rf"{SUPERVISOR_PREFIX}{NAME.pattern}-[0-9a-f]{{6}}")
 """A supervisor's actor name (`supervisor_name`)."""
-
-
-class BadRecord(ValueError):
-    """A record in the cluster's key-value store that this version cannot read."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from orchestrator.connect import bootstrap, local
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import SupervisorEndedError
 from orchestrator.job import Job, JobStatus
 from orchestrator.options import Options
 from orchestrator.runner import Runner
@@ -46,11 +46,6 @@ call that prints then comes back in one Ray call; its first lines are shown that
 CONCURRENCY = 64
 """Calls the supervisor serves at once: followers' long reads must not queue behind each
 other, nor behind a call that submits."""
-
-
-class SupervisorEndedError(OrchestratorError):
-    """A call came to a supervisor that ends (its pool released, no job kept): the driver
-    starts a new one."""
 
 
 @dataclass(frozen=True)
