@@ -22,12 +22,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from orchestrator import distribute
-from orchestrator.job import RUNNING, Job
+from orchestrator import Job, State, distribute
 
 RANKS = 4
 CRASHING_RANK = 1
+POLL_S = 0.005
+"""How often the driver's clock reads the job's status while it runs."""
 
 _SCRIPT = """
 import time
@@ -83,34 +85,21 @@ def _stamps(folder: Path) -> dict[str, float]:
     }
 
 
-class _Clock:
-    """Notes when the driver saw the failure and when the new pool was running."""
-
-    def __init__(self) -> None:
-        self.detected: float | None = None
-        self.running: float | None = None
-        self._restarted = Job.restarted
-        self._set_phase = Job.set_phase
-
-    def __enter__(self) -> _Clock:
-        clock = self
-
-        def restarted(job: Job, error: BaseException) -> None:
-            clock.detected = time.time()
-            clock._restarted(job, error)
-
-        def set_phase(job: Job, phase: str, waiting_for: str | None = None) -> None:
-            if phase == RUNNING and clock.detected is not None and clock.running is None:
-                clock.running = time.time()
-            clock._set_phase(job, phase, waiting_for)
-
-        Job.restarted = restarted  # type: ignore[method-assign]
-        Job.set_phase = set_phase  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        Job.restarted = self._restarted  # type: ignore[method-assign]
-        Job.set_phase = self._set_phase  # type: ignore[method-assign]
+def _watch(job: Job[Any]) -> tuple[float, float]:
+    """When the driver saw the crash (the job's first failed attempt recorded, its ranks
+    stopped) and when its new ranks ran, read from the job's status as it runs."""
+    detected = running = None
+    while running is None and not job.done():
+        status = job.status()
+        now = time.time()
+        if detected is None and status.restarts:
+            detected = now
+        if detected is not None and status.state == State.RUNNING:
+            running = now
+        time.sleep(POLL_S)
+    job.result()
+    assert detected is not None and running is not None, "the restart was not seen"
+    return detected, running
 
 
 def ours(folder: Path) -> dict[str, float]:
@@ -124,13 +113,12 @@ def ours(folder: Path) -> dict[str, float]:
         log_ranks=[],
         name="restarts",
     )
-    with _Clock() as clock, fn:
-        fn(str(folder))
+    with fn:
+        detected, running = _watch(fn.submit(str(folder)))
     result = _stamps(folder)
     crash = float((folder / "crash").read_text())
-    assert clock.detected is not None and clock.running is not None
-    result["detected"] = clock.detected - crash
-    result["pool"] = clock.running - crash
+    result["detected"] = detected - crash
+    result["pool"] = running - crash
     return result
 
 

@@ -21,7 +21,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from orchestrator import job as jobs
 from orchestrator.connect import cluster
 from orchestrator.errors import SupervisorLostError
-from orchestrator.job import CANCELLED, Job, JobStatus, RankStatus, restart_line
+from orchestrator.job import Job, JobStatus, RankStatus, restart_line
 from orchestrator.show import messages
 from orchestrator.show.logs import Console
 from orchestrator.show.notebook import Table
@@ -173,7 +173,7 @@ class FollowedJob(Job[R]):
 
     def __repr__(self) -> str:
         """E.g. <Job train-3f9a1c running (detached)>."""
-        state = CANCELLED if self.cancelled() else self._phase
+        state = State.CANCELLED if self.cancelled() else self._phase
         return f"<Job {self.id} {state} (detached)>"
 
     # Following.
@@ -287,7 +287,7 @@ class FollowedJob(Job[R]):
             # Unless cancelled from this process (cancel() settles it then).
             if not self._stop_requested.is_set() and _cancel_future(self):
                 self._discard()
-                self._show(CANCELLED)
+                self._show(State.CANCELLED)
                 messages.say(f"job {self.id} was stopped elsewhere (`orchestrator stop`, or "
                              "cancel() in another process)", job=self.name)
 
