@@ -1,17 +1,13 @@
-"""Rank layout, per-node bundles and whether a cluster can ever hold them."""
+"""Rank layout, per-node bundles and whether a cluster can ever hold them: pure, given
+the cluster's nodes (reserve.py asks the cluster)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from orchestrator.connect import cluster
 from orchestrator.errors import PlacementError
 from orchestrator.show.text import format_resources
-
-if TYPE_CHECKING:
-    from orchestrator.options import Options
 
 
 @dataclass(frozen=True)
@@ -150,30 +146,3 @@ def _hint(request: Request, nodes: Sequence[tuple[str, Mapping[str, float]]]) ->
 
 def _fits(need: Mapping[str, float], total: Mapping[str, float]) -> bool:
     return all(total.get(k, 0) >= v for k, v in need.items())
-
-
-Plan = tuple[Request, bool]
-"""What a pool is to hold, and whether it simulates its nodes on one machine."""
-
-
-def plan(options: Options) -> Plan:
-    """Connect, lay out the request, fail at once if the cluster can never hold it."""
-    cpus_needed = options.num_replicas * options.cpus_per_replica
-    embedded = cluster.connect(options.address, min_cpus=cpus_needed)
-    nodes = cluster.nodes()
-    simulate = embedded or len(nodes) == 1
-    gpus = options.gpus_per_replica
-    if gpus is None:
-        gpus = 1.0 if any(n.resources.get("GPU", 0) for n in nodes) else 0.0
-    per_node = options.replicas_per_node or default_replicas_per_node(
-        options.num_replicas, gpus, [n.resources for n in nodes]
-    )
-    request = Request(
-        num_replicas=options.num_replicas,
-        replicas_per_node=per_node,
-        cpus_per_replica=options.cpus_per_replica,
-        gpus_per_replica=gpus,
-        resources_per_replica=dict(options.resources_per_replica or {}),
-    )
-    check_feasible(request, [(n.ip, n.resources) for n in nodes], one_node=simulate)
-    return request, simulate

@@ -1,11 +1,13 @@
-"""A pool's placement group, waited for: until Ray places it, or places a lost node's
-bundle again on another node, saying what it waits for and giving up where told."""
+"""What a pool reserves on the cluster: its plan, checked against the cluster's nodes, then
+its placement group waited for, until Ray places it, or places a lost node's bundle again
+on another node, saying what it waits for and giving up where told."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
@@ -17,12 +19,41 @@ from orchestrator.placement import Request
 from orchestrator.show import messages, text
 from orchestrator_workers.states import State
 
+if TYPE_CHECKING:
+    from orchestrator.options import Options
+
 _WAIT_NOTICE_S = 1.0
 """A request not placed within this long is announced on the console."""
 _RECHECK_S = 2.0
 """While waiting for placement, how often to check that the live nodes can still hold it."""
 POLL_S = 0.2
 """How often a wait for placement or for actors checks for a stop request."""
+
+Plan = tuple[Request, bool]
+"""What a pool is to hold, and whether it simulates its nodes on one machine."""
+
+
+def plan(options: Options) -> Plan:
+    """Connect, lay out the request, fail at once if the cluster can never hold it."""
+    cpus_needed = options.num_replicas * options.cpus_per_replica
+    embedded = cluster.connect(options.address, min_cpus=cpus_needed)
+    nodes = cluster.nodes()
+    simulate = embedded or len(nodes) == 1
+    gpus = options.gpus_per_replica
+    if gpus is None:
+        gpus = 1.0 if any(n.resources.get("GPU", 0) for n in nodes) else 0.0
+    per_node = options.replicas_per_node or placement.default_replicas_per_node(
+        options.num_replicas, gpus, [n.resources for n in nodes]
+    )
+    request = Request(
+        num_replicas=options.num_replicas,
+        replicas_per_node=per_node,
+        cpus_per_replica=options.cpus_per_replica,
+        gpus_per_replica=gpus,
+        resources_per_replica=dict(options.resources_per_replica or {}),
+    )
+    placement.check_feasible(request, [(n.ip, n.resources) for n in nodes], one_node=simulate)
+    return request, simulate
 
 
 def wait(

@@ -19,13 +19,13 @@ from typing import Any
 
 import ray
 
-from orchestrator import call, logfiles, placement, restart, shipping
+from orchestrator import call, logfiles, reserve, restart, shipping
 from orchestrator.connect import cluster
 from orchestrator.errors import BusyError, OrchestratorError, PlacementTimeoutError, StopRequested
 from orchestrator.job import Job
 from orchestrator.options import Options
-from orchestrator.placement import Plan
 from orchestrator.pool import Pool
+from orchestrator.reserve import Plan
 from orchestrator.shipping import Shipment
 from orchestrator.show import messages
 from orchestrator.show.logs import Journaling
@@ -138,7 +138,7 @@ class Runner:
         `lend`, `driver_call`: see `_Entry`.
         """
         self._refuse_if_busy(options)
-        plan = None if self.pool is not None else placement.plan(options)
+        plan = None if self.pool is not None else reserve.plan(options)
         # Now, before returning: the arguments' big tensors are pickled by reference, so a
         # caller changing them after submit() must not change what the ranks get.
         shipped = payload if isinstance(payload, Shipment) else shipping.ship(
@@ -319,7 +319,7 @@ class Runner:
         if self.pool is not None and self.pool.session != cluster.session():
             self._box.pool = None  # its actors ended with an earlier Ray Client session
         if self.pool is None:
-            self._box.pool = self._start(job, plan or placement.plan(options), shipped.uses_torch)
+            self._box.pool = self._start(job, plan or reserve.plan(options), shipped.uses_torch)
         pool = self.pool
         assert pool is not None
         first = not earlier  # a driver's own call is so only at its first attempt
