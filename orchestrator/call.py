@@ -35,8 +35,7 @@ from orchestrator.show.logs import Console, Journaling
 from orchestrator.show.status import StatusLine
 from orchestrator.supervise.direct import DirectCall
 from orchestrator.view import CallView, snapshot
-from orchestrator_workers import handoff
-from orchestrator_workers.protocol import CallSpec, RankFailure, RankResult
+from orchestrator_workers.protocol import CallSpec, Collected, Lease, RankFailure, RankResult
 from orchestrator_workers.states import State
 
 _GATHER_S = 0.3
@@ -145,7 +144,7 @@ class Call:
         Ray task to each node's first rank, or on many nodes to rank 0, which calls the
         others (and lends `lend`). A large one goes in one Ray task per rank, each of
         which reads it from the object store in place."""
-        pool, lease = self.pool, {} if lend is None else {"lease": handoff.Lease(None, lend)}
+        pool, lease = self.pool, {} if lend is None else {"lease": Lease(None, lend)}
         if pool.handoff and isinstance(data, bytes) and pool.others:  # rank 0 calls the nodes
             first, others = pool.nodes[0], pool.others_for_call()
             args = (self.call_id, packed_call, data, first.peers, others)
@@ -326,15 +325,15 @@ class Call:
 
     def _take_node(self, leader: int, data: bytes) -> None:
         """Take what `leader` collected from the ranks; ask again for the rest."""
-        done, pending, _ = pickle.loads(data)  # noqa: S301 - from our own rank actor
-        for rank, outcome in done:
+        collected: Collected = pickle.loads(data)  # noqa: S301 - from our own rank actor
+        for rank, outcome in collected.outcomes:
             if outcome is None:  # large, or its socket closed (then Ray says why it is gone)
                 self._ask(rank)
             else:
                 self._take(pickle.loads(outcome))  # noqa: S301 - from our own rank actor
-        if pending:
+        if collected.running:
             rest = self.pool.actors[leader].collect.remote(self.call_id)
-            self.runs[rest] = Awaited(tuple(pending), leader)
+            self.runs[rest] = Awaited(collected.running, leader)
 
     def _lost(self, awaited: Awaited, exc: RayActorError) -> None:
         """The actor that was to bring `awaited`'s outcomes is gone: its rank crashed; the

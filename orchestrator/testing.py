@@ -12,12 +12,20 @@ from orchestrator.diagnose import straggle
 from orchestrator.function import DistributedFunction
 from orchestrator.job import Job
 from orchestrator.pool import Pool
+from orchestrator.supervise.detached import Detached
 from orchestrator.view import CallView
 
 
 def pool(fn: DistributedFunction[..., Any]) -> Pool | None:
     """`fn`'s warm pool of rank actors, if one runs."""
     return fn._runner.pool
+
+
+def lent(fn: DistributedFunction[..., Any]) -> bool:
+    """Whether detached `fn`'s supervisor lent this driver its pool for the next call (see
+    supervise.direct)."""
+    runner = fn._runner
+    return isinstance(runner, Detached) and runner._holder.holds()
 
 
 def view(job: Job[Any]) -> CallView | None:

@@ -7,7 +7,7 @@ import os
 import threading
 
 from orchestrator_workers import handoff
-from orchestrator_workers.protocol import Peer
+from orchestrator_workers.protocol import Collected, Lease, Peer, Used
 
 
 class Rank:
@@ -34,9 +34,9 @@ def test_a_failure_is_reported_at_once_and_the_others_when_done() -> None:
     hand = handoff.Hand()
     hand.start(b"c2", [a.peer(), b.peer()], b"", b"fail")
     a.release.set()  # rank 3 still runs: the failure comes first, alone
-    assert hand.collect(b"c2") == ([(2, b"r2:fail")], (3,), True)
+    assert hand.collect(b"c2") == Collected([(2, b"r2:fail")], (3,), True)
     b.release.set()
-    assert hand.collect(b"c2") == ([(3, b"r3:fail")], (), True)
+    assert hand.collect(b"c2") == Collected([(3, b"r3:fail")], (), True)
 
 
 def test_successes_come_together_once_all_are_done() -> None:
@@ -51,7 +51,7 @@ def test_successes_come_together_once_all_are_done() -> None:
     assert collecting.is_alive() and not found  # rank 1 still runs
     b.release.set()
     collecting.join(10)
-    assert found == [([(0, b"r0:ok"), (1, b"r1:ok")], (), False)]
+    assert found == [Collected([(0, b"r0:ok"), (1, b"r1:ok")], (), False)]
 
 
 def test_a_call_replaced_by_the_next_gets_nothing_and_late_replies_are_dropped() -> None:
@@ -65,9 +65,9 @@ def test_a_call_replaced_by_the_next_gets_nothing_and_late_replies_are_dropped()
     collecting.start()
     hand.start(b"new", [other.peer()], b"", b"second")
     collecting.join(5)
-    assert old == [([], (), False)]
+    assert old == [Collected([], (), False)]
     other.release.set()  # it answers the old call first, then the new one
-    assert hand.collect(b"new") == ([(1, b"r1:second")], (), False)
+    assert hand.collect(b"new") == Collected([(1, b"r1:second")], (), False)
     assert other.calls == 2
     stuck.release.set()
 
@@ -78,9 +78,9 @@ def test_a_rank_that_cannot_be_reached_is_lost_and_its_outcome_can_be_asked_for(
     gone = Peer(rank=1, door="orchestrator-nobody-listens-here", pid=os.getpid(), spec=b"")
     alive.release.set()
     hand.start(b"c1", [alive.peer(), gone], b"", b"ok")
-    done, _, failing = hand.collect(b"c1")
-    assert failing
-    assert (1, None) in done  # lost: the driver asks rank 1's actor (Ray says it is gone)
+    collected = hand.collect(b"c1")
+    assert collected.failed
+    assert (1, None) in collected.outcomes  # lost: the driver asks its actor (Ray says it is gone)
     assert alive.door.outcome(b"c1") == b"r0:ok"  # what a rank keeps, for that question
 
 
@@ -92,16 +92,16 @@ def test_a_lease_is_taken_once_and_a_revoke_says_which_call_took_it() -> None:
     a.release.set()
     hand = handoff.Hand()
     # The supervisor's start lends the first token; a driver's carries it and lends the next.
-    assert hand.start(b"c1", [a.peer()], b"", b"ok", lease=handoff.Lease(None, b"t1"))
-    assert hand.collect(b"c1") == ([(0, b"r0:ok")], (), False)
-    assert not hand.start(b"x", [a.peer()], b"", b"ok", lease=handoff.Lease(b"forged", b"t9"))
-    assert hand.start(b"c2", [a.peer()], b"", b"ok", lease=handoff.Lease(b"t1", b"t2"))
-    assert hand.collect(b"c2", "driver") == ([(0, b"r0:ok")], (), False)
-    used_up = handoff.Lease(b"t1", b"t3")
+    assert hand.start(b"c1", [a.peer()], b"", b"ok", lease=Lease(None, b"t1"))
+    assert hand.collect(b"c1") == Collected([(0, b"r0:ok")], (), False)
+    assert not hand.start(b"x", [a.peer()], b"", b"ok", lease=Lease(b"forged", b"t9"))
+    assert hand.start(b"c2", [a.peer()], b"", b"ok", lease=Lease(b"t1", b"t2"))
+    assert hand.collect(b"c2", "driver") == Collected([(0, b"r0:ok")], (), False)
+    used_up = Lease(b"t1", b"t3")
     assert not hand.start(b"c3", [a.peer()], b"", b"ok", lease=used_up)
-    assert hand.revoke(b"t1") == handoff.Used(b"c2", b"t2")
+    assert hand.revoke(b"t1") == Used(b"c2", b"t2")
     assert hand.revoke(b"t2") is None  # still lent: taken back now
-    assert not hand.start(b"c4", [a.peer()], b"", b"ok", lease=handoff.Lease(b"t2", b"t4"))
+    assert not hand.start(b"c4", [a.peer()], b"", b"ok", lease=Lease(b"t2", b"t4"))
     assert a.calls == 2
 
 
@@ -111,16 +111,16 @@ def test_a_leased_call_s_outcomes_reach_each_reader_and_outlive_the_next_call() 
     a, b = Rank(0), Rank(1)
     a.release.set()
     hand = handoff.Hand()
-    assert hand.start(b"c1", [a.peer(), b.peer()], b"", b"fail", lease=handoff.Lease(None, b"t1"))
-    assert hand.collect(b"c1", "driver") == ([(0, b"r0:fail")], (1,), True)
+    assert hand.start(b"c1", [a.peer(), b.peer()], b"", b"fail", lease=Lease(None, b"t1"))
+    assert hand.collect(b"c1", "driver") == Collected([(0, b"r0:fail")], (1,), True)
     b.release.set()
-    assert hand.collect(b"c1", "driver") == ([(1, b"r1:fail")], (), True)
-    assert hand.collect(b"c1") == ([(0, b"r0:fail"), (1, b"r1:fail")], (), True)
-    assert hand.start(b"c2", [a.peer(), b.peer()], b"", b"ok", lease=handoff.Lease(b"t1", b"t2"))
+    assert hand.collect(b"c1", "driver") == Collected([(1, b"r1:fail")], (), True)
+    assert hand.collect(b"c1") == Collected([(0, b"r0:fail"), (1, b"r1:fail")], (), True)
+    assert hand.start(b"c2", [a.peer(), b.peer()], b"", b"ok", lease=Lease(b"t1", b"t2"))
     both = [(0, b"r0:ok"), (1, b"r1:ok")]
-    done, pending, failing = hand.collect(b"c2", "driver")
-    assert (sorted(done), pending, failing) == (both, (), False)
-    assert hand.start(b"c3", [a.peer()], b"", b"ok", lease=handoff.Lease(b"t2", b"t3"))
-    done, pending, failing = hand.collect(b"c2")  # kept for the supervisor
-    assert (sorted(done), pending, failing) == (both, (), False)
-    assert hand.collect(b"c2") == ([], (), False)  # taken
+    collected = hand.collect(b"c2", "driver")
+    assert (sorted(collected.outcomes), collected.running, collected.failed) == (both, (), False)
+    assert hand.start(b"c3", [a.peer()], b"", b"ok", lease=Lease(b"t2", b"t3"))
+    collected = hand.collect(b"c2")  # kept for the supervisor
+    assert (sorted(collected.outcomes), collected.running, collected.failed) == (both, (), False)
+    assert hand.collect(b"c2") == Collected([], (), False)  # taken

@@ -17,8 +17,15 @@ import orchestrator_workers
 from orchestrator.pool import PoolNode
 from orchestrator.runner import _Entry
 from orchestrator.supervise import direct
-from orchestrator_workers import handoff
-from orchestrator_workers.protocol import CallSpec, NodeInfo, Peer, RemoteNode
+from orchestrator_workers.protocol import (
+    NO_LEASE,
+    CallSpec,
+    Lease,
+    NodeInfo,
+    Peer,
+    RemoteNode,
+    Used,
+)
 
 SECRET = b"\xde\xad\xbe\xef-secret-0123456789"
 """A known secret: its bytes, their escapes and its hex are looked for in every repr."""
@@ -41,9 +48,9 @@ def _call() -> direct.DirectCall:
 
 HOLDERS: dict[str, Callable[[], object]] = {
     "DirectCall": _call,
-    "direct.Lease": lambda: direct.Lease("pool", SECRET, 29500, False, peers=_peers()),
-    "handoff.Lease": lambda: handoff.Lease(SECRET, SECRET),
-    "handoff.Used": lambda: handoff.Used(b"call-id", SECRET),
+    "Loan": lambda: direct.Loan("pool", SECRET, 29500, False, peers=_peers()),
+    "Lease": lambda: Lease(SECRET, SECRET),
+    "Used": lambda: Used(b"call-id", SECRET),
     "runner._Entry": lambda: _Entry(None, None, None, None, SECRET, _call()),  # type: ignore[arg-type]
     "PoolNode": lambda: PoolNode("node", (0, 1), _peers()),
     "RemoteNode": lambda: RemoteNode(None, (2, 3), _peers()),
@@ -64,9 +71,9 @@ def test_no_secret_shows_in_a_repr_or_str(make: Callable[[], object]) -> None:
 
 
 def test_a_start_s_lease_still_compares_and_reads_as_before() -> None:
-    assert handoff.Lease() == handoff.NO_LEASE and handoff.Lease(None, SECRET) != handoff.NO_LEASE
-    sent = pickle.dumps(handoff.Lease(SECRET, b"next"))  # as Ray sends it to rank 0
-    assert pickle.loads(sent) == handoff.Lease(SECRET, b"next")  # noqa: S301 - our own
+    assert Lease() == NO_LEASE and Lease(None, SECRET) != NO_LEASE
+    sent = pickle.dumps(Lease(SECRET, b"next"))  # as Ray sends it to rank 0
+    assert pickle.loads(sent) == Lease(SECRET, b"next")  # noqa: S301 - our own
 
 
 _SECRET_NAME = re.compile(r"secret|token|lend|key|peers|password|auth_", re.IGNORECASE)

@@ -31,7 +31,9 @@ from orchestrator_workers import (
 )
 from orchestrator_workers.capture import Capture
 from orchestrator_workers.protocol import (
+    NO_LEASE,
     CallSpec,
+    Lease,
     NodeInfo,
     Payload,
     Peer,
@@ -40,6 +42,7 @@ from orchestrator_workers.protocol import (
     RankSpec,
     Received,
     RemoteNode,
+    Used,
     wire,
 )
 from orchestrator_workers.sampler import Sampler
@@ -174,13 +177,13 @@ class RankActor:
         peers: bytes,
         nodes: tuple[RemoteNode, ...] | None,
         *,
-        lease: handoff.Lease = handoff.NO_LEASE,
+        lease: Lease = NO_LEASE,
         reader: str = "",
     ) -> bytes:
         """As its node's first rank: hand call `call_id` to every rank of the node (pickled
         Peers, this rank among them); as rank 0, also to every other node's first rank
         (`nodes`; None: the same as the last call's). Return the first outcomes `reader`
-        collects, pickled (see `collect`); None, pickled, where `lease` is refused."""
+        collects (a Collected), pickled; None, pickled, where `lease` is refused."""
         if peers != self._packed_peers:  # the same while the pool lives
             self._peers = pickle.loads(peers)  # noqa: S301 - our driver's
             self._packed_peers = peers
@@ -194,12 +197,11 @@ class RankActor:
     @ray.method(concurrency_group="node")
     def collect(self, call_id: bytes, reader: str = "") -> bytes:
         """As a node's first rank: the outcomes of call `call_id` not yet collected by
-        `reader`, the ranks still running, and whether one failed, pickled; once all are
-        done, or at once after a failure."""
+        `reader` (a Collected), pickled; once all are done, or at once after a failure."""
         return pickle.dumps(self._hand.collect(call_id, reader), pickle.HIGHEST_PROTOCOL)
 
     @ray.method(concurrency_group="control")
-    def revoke(self, token: bytes) -> handoff.Used | None:
+    def revoke(self, token: bytes) -> Used | None:
         """As rank 0: take back a detached job's lease (see `handoff.Hand.revoke`)."""
         return self._hand.revoke(token)
 

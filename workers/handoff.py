@@ -31,12 +31,20 @@ import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 
 from orchestrator_workers.greeters import BACKLOG, Greeters, Greeting
-from orchestrator_workers.protocol import Peer, RemoteNode
+from orchestrator_workers.protocol import (
+    NO_LEASE,
+    Collected,
+    Lease,
+    Outcomes,
+    Peer,
+    RemoteNode,
+    Used,
+)
 from orchestrator_workers.sockets import KEY_BYTES, KEY_WAIT_S, credentials, receive, send
 
 SWITCH = "ORCHESTRATOR_HANDOFF"
@@ -61,35 +69,6 @@ first rank would hold every large one of its node in memory, then copy them agai
 
 Serve = Callable[[bytes, bytes, bytes], tuple[bool, bytes]]
 """Runs a call: (pickled RankSpec, pickled CallSpec, payload) -> (failed, outcome)."""
-Outcomes = list[tuple[int, bytes | None]]
-"""(rank, its pickled RankResult or RankFailure); None where the driver must ask the
-rank's actor for it: its socket closed first (Ray will say why), its node's hand is gone,
-or it is large."""
-Collected = tuple[Outcomes, tuple[int, ...], bool]
-"""Outcomes, the ranks still running, and whether one failed or was lost."""
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A start's tokens: a driver's start must carry `token`, the one the hand holds (it is
-    then used up); `lend` is what the hand holds from then on (see `Hand.start`). Neither
-    is ever shown."""
-
-    token: bytes | None = field(default=None, repr=False)
-    lend: bytes | None = field(default=None, repr=False)
-
-
-NO_LEASE = Lease()
-"""A start that carries no token and lends none (the runner's own, undetached)."""
-
-
-@dataclass(frozen=True)
-class Used:
-    """A lease token a driver's start used up, as a revoke finds it: the call that used
-    it, and the token it lent next (never shown)."""
-
-    call_id: bytes
-    lend: bytes | None = field(repr=False)
 
 
 @dataclass
@@ -247,9 +226,8 @@ class Hand:
             return self._used.get(token)
 
     def collect(self, call_id: bytes, reader: str = "") -> Collected:
-        """Outcomes not yet collected by `reader`, the ranks still running, and whether one
-        failed: once all are done, or at once after a failure or a lost rank (the driver
-        must hear of it now).
+        """The outcomes `reader` has not collected yet: once all are done, or at once after
+        a failure or a lost rank (the driver must hear of it now).
 
         A call that another one replaced gets what was kept of it (nothing if unleased).
         """
@@ -258,13 +236,14 @@ class Hand:
                 if self._call != call_id:
                     ended = self._ended.get(call_id)
                     if ended is None:
-                        return [], (), False
+                        return Collected([], (), False)
                     at, ended.taken[reader] = ended.taken.get(reader, 0), len(ended.done)
-                    return ended.done[at:], (), ended.failing
+                    return Collected(ended.done[at:], (), ended.failing)
                 at = self._taken.get(reader, 0)
                 if (len(self._done) > at and self._failing) or not (self._pending or self._away):
                     self._taken[reader] = len(self._done)
-                    return self._done[at:], (*self._pending, *sorted(self._away)), self._failing
+                    running = (*self._pending, *sorted(self._away))
+                    return Collected(self._done[at:], running, self._failing)
                 links = [*self._pending.values(), self._woken]
             try:
                 ready, _, _ = select.select(links, [], [], _SLICE_S)
@@ -309,21 +288,21 @@ class Hand:
             for ref in ready:
                 node, ranks = waiting.pop(ref), owed.pop(ref)
                 try:
-                    done, pending, failing = pickle.loads(ray.get(ref))  # noqa: S301 - our rank's
+                    got: Collected = pickle.loads(ray.get(ref))  # noqa: S301 - our rank's
                 except Exception:  # noqa: BLE001 - its hand is gone (or broke): ask each rank
-                    done, pending, failing = [], (), True
-                came = {rank for rank, _ in done} | set(pending)
-                done = [*done, *((rank, None) for rank in ranks if rank not in came)]
+                    got = Collected([], (), True)
+                came = {rank for rank, _ in got.outcomes} | set(got.running)
+                done = [*got.outcomes, *((rank, None) for rank in ranks if rank not in came)]
                 with self._lock:
                     if self._call != call_id:
                         return
                     self._done.extend(done)
                     self._away -= {rank for rank, _ in done}
-                    self._failing = self._failing or failing or len(came) < len(ranks)
+                    self._failing = self._failing or got.failed or len(came) < len(ranks)
                 self._wake_up()
-                if pending:
+                if got.running:
                     rest = node.actor.collect.remote(call_id)
-                    waiting[rest], owed[rest] = node, tuple(pending)
+                    waiting[rest], owed[rest] = node, got.running
             with self._lock:
                 if self._call != call_id:
                     return

@@ -152,6 +152,47 @@ class CallSpec:
     it (see buddies); never shown."""
 
 
+Outcomes = list[tuple[int, bytes | None]]
+"""(rank, its pickled RankResult or RankFailure); None where the driver must ask the
+rank's actor for it: its socket closed first (Ray will say why), its node's hand is gone,
+or it is large."""
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A call's outcomes as a node's first rank hands them to one reader (see handoff)."""
+
+    outcomes: Outcomes
+    """Those this reader had not collected yet."""
+    running: tuple[int, ...]
+    """The ranks whose outcomes have not come yet."""
+    failed: bool
+    """Whether a rank failed or was lost."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A start's tokens: a start that carries `token` must find it the one rank 0's hand
+    holds (it is then used up); `lend` is what the hand holds from then on (see
+    `handoff.Hand.start`). Neither is ever shown."""
+
+    token: bytes | None = field(default=None, repr=False)
+    lend: bytes | None = field(default=None, repr=False)
+
+
+NO_LEASE = Lease()
+"""A start that carries no token and lends none (a live function's)."""
+
+
+@dataclass(frozen=True)
+class Used:
+    """A lease token a start used up, as taking it back finds it: the call that used it,
+    and the token that start lent next (never shown)."""
+
+    call_id: bytes
+    lend: bytes | None = field(repr=False)
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """A rank that raised, or whose process died."""

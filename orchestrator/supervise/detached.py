@@ -88,16 +88,16 @@ class Detached:
         if self.last is not None and not self.last.done() and not options.queue:
             raise BusyError.still_running(self.name, self.last)
         payload, uses_torch = shipping.pack(fn, args, kwargs)
-        lease = self._direct_lease(payload, first_wait_s)
-        if lease is not None:
-            done = self._call_directly(payload, uses_torch, options, lease, first_wait_s,
+        loan = self._loan(payload, first_wait_s)
+        if loan is not None:
+            done = self._call_directly(payload, uses_torch, options, loan, first_wait_s,
                                        owner=owner, in_cell=in_cell)
             if done is not None:
                 return done
         for anew in (False, True):
             record, handle, submitted = self._send(payload, uses_torch, options, first_wait_s)
             try:
-                refused, page, outcome, lease = unwire(
+                refused, page, outcome, loan = unwire(
                     ray.get(submitted, timeout=START_TIMEOUT_S + first_wait_s)
                 )
             except KeyboardInterrupt:
@@ -114,7 +114,7 @@ class Detached:
                 self._handle = None
         if refused is not None:
             raise refused
-        self._holder.keep(lease)
+        self._holder.keep(loan)
         return self._followed(record, handle, (page, outcome), owner, in_cell)
 
     def _followed(
@@ -126,8 +126,8 @@ class Detached:
         self.last = self.current = job
         return job
 
-    def _direct_lease(self, payload: Payload, first_wait_s: float) -> direct.Lease | None:
-        """The lease for this call to start on the ranks from here (see supervise.direct):
+    def _loan(self, payload: Payload, first_wait_s: float) -> direct.Loan | None:
+        """The loan for this call to start on the ranks from here (see supervise.direct):
         where the caller waits for a small call's result, and nothing of this function's
         runs; None otherwise."""
         quiet = self.last is None or self.last.done()
@@ -141,7 +141,7 @@ class Detached:
         payload: Payload,
         uses_torch: bool,
         options: Options,
-        lease: direct.Lease,
+        loan: direct.Loan,
         first_wait_s: float,
         *,
         owner: Any,
@@ -155,7 +155,7 @@ class Detached:
         told = (record, shipped, uses_torch, _in_cluster(options))
         wait_s = min(first_wait_s, direct.DIRECT_WAIT_S)
         try:
-            values = self._holder.call(handle, told, shipped, options, lease=lease, wait_s=wait_s)
+            values = self._holder.call(handle, told, shipped, options, loan=loan, wait_s=wait_s)
         except KeyboardInterrupt:
             raise _interrupted(record.id) from None
         except (SupervisorEndedError, RayActorError):
@@ -175,7 +175,7 @@ class Detached:
                 handle = self._supervisor()
                 record = registry.new_record(self.name, options, self._supervisor_name or "")
                 wants = first_wait_s > 0 and not cluster.through_ray_client()
-                known = self._holder.known() if wants else None  # a lease for the next call
+                known = self._holder.known() if wants else None  # a loan for the next call
                 packed = wire((record, payload, uses_torch, _in_cluster(options), known))
                 return record, handle, handle.submit.remote(packed, PAGE_ENTRIES, first_wait_s)
             except ConnectionError as exc:  # Ray Client's session was lost: a new one, once

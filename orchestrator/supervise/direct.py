@@ -39,8 +39,15 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from orchestrator.pool import Pool
-from orchestrator_workers import handoff
-from orchestrator_workers.protocol import CallSpec, RankResult, unwire, wire
+from orchestrator_workers.protocol import (
+    CallSpec,
+    Collected,
+    Lease,
+    RankResult,
+    Used,
+    unwire,
+    wire,
+)
 
 ADOPT_AFTER_S = 2.0
 """How long the supervisor waits for the driver's word on its call before it looks itself."""
@@ -82,9 +89,9 @@ class Settled:
 
 
 @dataclass(frozen=True)
-class Lease:
-    """What a driver needs for its next call on the pool: the token rank 0's hand holds,
-    the store port, and (where the driver lacks them) rank 0's actor and its node's peers."""
+class Loan:
+    """The pool lent to a driver for its next call: the token rank 0's hand holds, the
+    store port, and (where the driver lacks them) rank 0's actor and its node's peers."""
 
     pool: str
     token: bytes = field(repr=False)
@@ -138,7 +145,7 @@ class Leases:
             self._cond.wait_for(lambda: call_id in self._said, wait_s)
             return self._said.pop(call_id, None)
 
-    def revoke(self, pool: Pool, token: bytes | None = None) -> handoff.Used | None:
+    def revoke(self, pool: Pool, token: bytes | None = None) -> Used | None:
         """Take back `token` (default: the outstanding one) at rank 0's hand: None where no
         driver's call took it (or rank 0 is gone: no call can take it); else that call's id
         and the token it lent, which is outstanding now."""
@@ -174,7 +181,8 @@ class Leases:
         with contextlib.suppress(RayError):
             while True:
                 got = ray.get(pool.actors[0].collect.remote(call_id, "orphan"))
-                if not pickle.loads(got)[1]:  # noqa: S301 - our rank's
+                collected: Collected = pickle.loads(got)  # noqa: S301 - our rank's
+                if not collected.running:
                     return
 
 
@@ -256,12 +264,12 @@ def before_attempt(
 
 
 class Holder:
-    """The driver's side: the lease for its next call, if it holds one, and the call."""
+    """The driver's side: the loan for its next call, if it holds one, and the call."""
 
     def __init__(self) -> None:
         """No lease yet: the first answer of the supervisor brings one."""
         self._lock = threading.Lock()
-        self._lease: Lease | None = None
+        self._loan: Loan | None = None
         self._pool = ""
         self._rank0: Any = None
         self._peers = b""
@@ -270,42 +278,46 @@ class Holder:
         """The pool whose rank 0 and peers this driver has ("" for none)."""
         return self._pool
 
-    def keep(self, lease: Lease | None) -> None:
-        """Hold `lease` for the next call (None: hold none)."""
-        with self._lock:
-            if lease is not None and lease.rank0 is not None:
-                self._pool, self._rank0, self._peers = lease.pool, lease.rank0, lease.peers
-            self._lease = lease if lease is not None and lease.pool == self._pool else None
+    def holds(self) -> bool:
+        """Whether it holds a loan for the next call."""
+        return self._loan is not None
 
-    def take(self) -> Lease | None:
-        """The lease held, now no longer held (one call uses it)."""
+    def keep(self, loan: Loan | None) -> None:
+        """Hold `loan` for the next call (None: hold none)."""
         with self._lock:
-            lease, self._lease = self._lease, None
-            return lease
+            if loan is not None and loan.rank0 is not None:
+                self._pool, self._rank0, self._peers = loan.pool, loan.rank0, loan.peers
+            self._loan = loan if loan is not None and loan.pool == self._pool else None
+
+    def take(self) -> Loan | None:
+        """The loan held, now no longer held (one call uses it)."""
+        with self._lock:
+            loan, self._loan = self._loan, None
+            return loan
 
     def call(
         self, handle: Any, told: tuple[Any, ...], shipped: Any, options: Any, *,
-        lease: Lease, wait_s: float,
+        loan: Loan, wait_s: float,
     ) -> list[Any] | None:
         """Tell the supervisor (`handle`) of the call (`told`: its record and the rest of
         `notice`'s), start it on the ranks, and wait up to `wait_s` for it: its results
         where it succeeded quietly; None where the supervisor has it now (follow the job)."""
         call_id = uuid.uuid4().hex[:16]
         secret, lend = os.urandom(32), new_token()
-        mine = DirectCall(call_id.encode(), secret, lease.token, lend, lease.port)
+        mine = DirectCall(call_id.encode(), secret, loan.token, lend, loan.port)
         noticed = handle.notice.remote(wire((*told, mine)))
         spec = CallSpec(
-            master_port=lease.port,
+            master_port=loan.port,
             restart_count=0,
             max_restarts=options.max_restarts,
             share_key=call_id,
-            uses_torch=shipped.uses_torch or lease.gpus,
+            uses_torch=shipped.uses_torch or loan.gpus,
             watched=options.stall_after is not None,
             job_secret=secret,
         )
         run = self._rank0.run_node.remote(
             mine.call_id, pickle.dumps(spec, pickle.HIGHEST_PROTOCOL), shipped.data,
-            self._peers, None, lease=handoff.Lease(lease.token, lend), reader=READER,
+            self._peers, None, lease=Lease(loan.token, lend), reader=READER,
         )
         quiet = None
         try:
@@ -324,10 +336,10 @@ class Holder:
             return None
         results, raw = quiet
         if results[0].store_open:
-            self._rank0.close_store.remote(lease.port)
+            self._rank0.close_store.remote(loan.port)
         next_port = results[0].next_master_port
         handle.settle.remote(mine.call_id, wire(Settled(raw, next_port)))
-        self.keep(Lease(lease.pool, lend, next_port or lease.port, lease.gpus))
+        self.keep(Loan(loan.pool, lend, next_port or loan.port, loan.gpus))
         return [result.value for result in results]
 
 
@@ -343,17 +355,19 @@ def _values(outcomes: list[bytes]) -> list[Any] | None:
 def _quiet(data: bytes, ranks: int) -> tuple[list[RankResult], list[bytes]] | None:
     """A call's outcomes from rank 0's hand, where each of its `ranks` succeeded and printed
     nothing: its results by rank, and the same as the ranks pickled them."""
-    got = pickle.loads(data)  # noqa: S301 - our rank's
-    if got is None or got[1] or got[2] or len(got[0]) != ranks:  # refused, running, failed
-        return None
+    got: Collected | None = pickle.loads(data)  # noqa: S301 - our rank's
+    if got is None or got.running or got.failed or len(got.outcomes) != ranks:
+        return None  # refused, running, failed
     results: list[tuple[RankResult, bytes]] = []
-    for _, raw in got[0]:
+    for _, raw in got.outcomes:
+        if raw is None:
+            return None  # large (its rank keeps it), or lost: the supervisor has it
         try:
-            outcome = None if raw is None else cloudpickle.loads(raw)
+            outcome = cloudpickle.loads(raw)
         except Exception:  # noqa: BLE001 - the supervisor's follower says it as its own
             return None
         if not isinstance(outcome, RankResult) or outcome.output_seq:
-            return None  # large (its rank keeps it), failed or printed: the supervisor has it
+            return None  # failed or printed: the supervisor has it
         results.append((outcome, raw))
     results.sort(key=lambda pair: pair[0].rank)
     return [result for result, _ in results], [raw for _, raw in results]

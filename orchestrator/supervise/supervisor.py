@@ -139,11 +139,11 @@ class Supervisor:
 
     def submit(self, packed: bytes, limit: int, wait_s: float) -> bytes:
         """Queue one call, packed by the driver: (record, payload, uses_torch, options,
-        lease), wired (see `protocol.wire`); `lease`: None, or the pool the driver knows
-        ("" for none) where it wants a `direct.Lease` to make its next call itself. Its job
+        known), wired (see `protocol.wire`); `known`: None, or the pool the driver knows
+        ("" for none) where it wants a `direct.Loan` to make its next call itself. Its job
         is kept, with `record`, until released. Then the job's first `read` (after
         position 0, up to `limit` entries, waiting up to `wait_s`), so that a call that ends
-        within `wait_s` costs its driver one Ray call: (None, Page, Outcome or None, Lease or
+        within `wait_s` costs its driver one Ray call: (None, Page, Outcome or None, Loan or
         None), or (the error that refused it, None, None, None), wired."""
         record, payload, uses_torch, options, known = unwire(packed)
         lend = direct.new_token() if known is not None else None
@@ -152,8 +152,8 @@ class Supervisor:
         except Exception as exc:  # noqa: BLE001 - raised in the driver
             return wire((exc, None, None, None))
         page, outcome = self._read(job_id, 0, limit, wait_s, FIRST_SETTLE_S)
-        lease = self._lease(lend, known) if outcome is not None else None
-        return wire((None, page, outcome, lease))
+        loan = self._loan(lend, known) if outcome is not None else None
+        return wire((None, page, outcome, loan))
 
     def notice(self, packed: bytes) -> bytes:
         """A call its driver starts on the ranks itself (see supervise.direct): (record,
@@ -171,13 +171,13 @@ class Supervisor:
         """Its driver's word on a call it made itself: a `direct.Settled`, wired."""
         self._runner.leases.say(call_id, unwire(packed))  # type: ignore[union-attr]
 
-    def _lease(self, lend: bytes | None, known: str) -> direct.Lease | None:
-        """The lease for its driver's next call, where the token `lend` is still lent."""
+    def _loan(self, lend: bytes | None, known: str) -> direct.Loan | None:
+        """The loan for its driver's next call, where the token `lend` is still lent."""
         pool, leases = self._runner.pool, self._runner.leases
         if lend is None or pool is None or leases is None or leases.outstanding != lend:
             return None
         full = known != direct.pool_id(pool)  # else the driver has rank 0 and its peers
-        return direct.Lease(
+        return direct.Loan(
             pool=direct.pool_id(pool),
             token=lend,
             port=pool.store_port,
