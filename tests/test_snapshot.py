@@ -27,20 +27,17 @@ STEPS, EVERY = 50, 10
 
 
 class _Net(torch.nn.Module):
-    """Two layers in one parameter, so in one DDP bucket of one tensor. DDP reduces its
-    first step's gradients in one bucket of every parameter, and later steps' in buckets
-    rebuilt in gradient order; the sums of a resumed run's first step would then run in
-    another order than in a run that never failed (the last bits differ)."""
+    """Linear, ReLU, dropout (the global RNG), linear."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.flat = torch.nn.Parameter(torch.randn(16 * 8 + 16) / 3)
+        self.hidden = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Linear, ReLU, dropout (the global RNG), linear."""
-        hidden = torch.relu(x @ self.flat[:128].view(16, 8).T)
-        hidden = torch.nn.functional.dropout(hidden, 0.2, self.training)
-        return hidden @ self.flat[128:].view(16, 1)
+        """The output for a batch `x` of 8 features."""
+        hidden = torch.relu(self.hidden(x))
+        return self.out(torch.nn.functional.dropout(hidden, 0.2, self.training))
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -74,7 +71,11 @@ def train(
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     net = _Net()
-    model = DistributedDataParallel(net)
+    # As docs/usage.md says: DDP regroups its gradients' buckets after its first step, so
+    # a resumed run's first step (on 3 ranks or more) would sum them in another order than
+    # a run that never failed, and the last bits differ; find_unused_parameters=True keeps
+    # the first grouping for good.
+    model = DistributedDataParallel(net, find_unused_parameters=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     state = {"model": model, "optimizer": optimizer}
     torch.manual_seed(100 + rank)
