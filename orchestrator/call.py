@@ -279,7 +279,7 @@ class Call:
         monitor = None if stopped else self.monitor
         return snapshot(
             self.share_key, self._started_at, self.pool, states=states, console=self.console,
-            monitor=monitor,
+            findings=monitor.findings() if monitor is not None else None,
         )
 
     def let_return(self, wait_s: float) -> None:

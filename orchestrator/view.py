@@ -1,5 +1,6 @@
 """What the driver knows of a call, as one snapshot of plain data: each rank's state, its
-last output, whether it is slow or silent, and who holds the call back.
+last output, whether it is slow or silent, and who holds the call back (what its monitor
+found, `Findings`, made in diagnose/monitor.py, with the `Notice` for the status line).
 
 `Job.status()`, `Job.table()`, the notebook and the status line read a call through this
 alone, so it may as well come from another process (it pickles).
@@ -8,20 +9,43 @@ alone, so it may as well come from another process (it pickles).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.diagnose.stall import StallReport
 from orchestrator.diagnose.straggle import Straggler
-from orchestrator.show.status import Notice
 from orchestrator_workers.states import State
 
 if TYPE_CHECKING:
-    from orchestrator.diagnose.monitor import Monitor
     from orchestrator.pool import Pool
     from orchestrator.show.logs import Console
+
+
+@dataclass(frozen=True)
+class Notice:
+    """What a running call must tell the user now, in place of its usual line."""
+
+    key: object
+    """What it is about: said again at once only when this changes."""
+    line: str
+    full: str
+    """With the details (stacks), for a log that keeps every line."""
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What the monitor of a call worked out last (see `diagnose.monitor`)."""
+
+    stall: StallReport | None
+    """Ranks without progress for `stall_after`, grouped by where they are; None: all move."""
+    slow: tuple[Straggler, ...]
+    """Ranks slower than their peers, the slowest first."""
+    notice: Notice | None
+    """What the status line must say now (a stall, slow ranks), if anything."""
+    uses: Mapping[int, str]
+    """What each rank's process uses, as last read (a rank not read: none)."""
 
 
 @dataclass(frozen=True)
@@ -71,12 +95,12 @@ def snapshot(
     *,
     states: Sequence[State],
     console: Console,
-    monitor: Monitor | None,
+    findings: Findings | None,
 ) -> CallView:
     """The view of call `key` of `pool`, started at `started` (time.time()), its ranks in
-    `states`, its output on `console`; `monitor`'s findings while it is watched."""
+    `states`, its output on `console`; its monitor's `findings` while it is watched."""
     now, infos = time.monotonic(), pool.infos
-    slow = {s.rank for s in monitor.slow} if monitor is not None else set()
+    slow = {s.rank for s in findings.slow} if findings is not None else set()
     ranks = []
     for rank, state in enumerate(states):
         info = infos[rank] if infos else None
@@ -91,7 +115,7 @@ def snapshot(
                 last_line=console.last_lines[rank],
                 silent_s=now - console.last_times[rank] if state == State.RUNNING else None,
                 slow=rank in slow,
-                use=monitor.use(rank) if monitor is not None else "",
+                use=findings.uses.get(rank, "") if findings is not None else "",
             )
         )
     return CallView(
@@ -99,8 +123,8 @@ def snapshot(
         key=key,
         started=started,
         ranks=tuple(ranks),
-        stall=monitor.stall if monitor is not None else None,
-        slow=tuple(monitor.slow) if monitor is not None else (),
-        notice=monitor.notice if monitor is not None else None,
+        stall=findings.stall if findings is not None else None,
+        slow=findings.slow if findings is not None else (),
+        notice=findings.notice if findings is not None else None,
         log_dir=console.log_dir,
     )

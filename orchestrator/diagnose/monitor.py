@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator.diagnose.stall import StallReport, Watch, report
 from orchestrator.diagnose.straggle import Straggler
-from orchestrator.show.status import Notice
+from orchestrator.view import Findings, Notice
 
 if TYPE_CHECKING:
     from orchestrator.pool import Pool
@@ -104,6 +104,11 @@ class Monitor:
             text += f", GPU {where.gpu_mb / 1024:.1f} GB"
             text += f" {where.gpu_busy}% busy" if where.gpu_busy is not None else ""
         return text
+
+    def findings(self) -> Findings:
+        """What it worked out last, as plain data (see `view.snapshot`)."""
+        uses = {rank: self.use(rank) for rank in self.watch.where}
+        return Findings(self.stall, tuple(self.slow), self.notice, uses)
 
     def _notice(self) -> Notice | None:
         """What the status line must say now: ranks without progress, or slow ones."""

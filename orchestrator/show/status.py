@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator.show import messages
@@ -21,7 +20,7 @@ from orchestrator.show.summary import states_line
 from orchestrator.show.text import clock
 
 if TYPE_CHECKING:
-    from orchestrator.view import CallView
+    from orchestrator.view import CallView, Notice
 
 logger = logging.getLogger("orchestrator.status")
 QUIET_S = 10.0
@@ -30,17 +29,6 @@ REDRAW_S = 1.0
 """How often the line is redrawn in place on a terminal."""
 REPEAT_S = 60.0
 """How often it is printed again where stderr is not a terminal (a log file, CI)."""
-
-
-@dataclass(frozen=True)
-class Notice:
-    """What a running call must tell the user now, in place of its usual line."""
-
-    key: object
-    """What it is about: said again at once only when this changes."""
-    line: str
-    full: str
-    """With the details (stacks), for a log that keeps every line."""
 
 
 def enabled() -> bool:
