@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, InvalidStateError
 
@@ -30,22 +29,15 @@ from orchestrator import (
     distribute,
     get_job,
     list_jobs,
+    testing,
 )
 from orchestrator.options import Options
 from orchestrator.supervise import registry
 from orchestrator.supervise.supervisor import NAMESPACE
+from tests.detached_work import count, pid
 from tests.helpers import ROOT, wait_for, wait_resources_back
 
 LINES = 60
-
-
-def count(lines: int, pause: float) -> int:
-    """Print `lines` numbered lines, `pause` s apart; the rank times 10."""
-    rank = int(os.environ["RANK"])
-    for i in range(lines):
-        print(f"rank {rank} line {i}", flush=True)
-        time.sleep(pause)
-    return rank * 10
 
 
 def _lines(text: str, rank: int) -> list[str]:
@@ -59,7 +51,7 @@ def _every_line_once(text: str, rank: int) -> bool:
 
 DRIVER = """\
 import sys
-from tests.test_detach import count
+from tests.detached_work import count
 from orchestrator import distribute
 fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, address={address!r},
                 idle_timeout=5)
@@ -131,7 +123,7 @@ def test_cancel_from_another_process_stops_the_ranks(cluster, capfd):
     )
     assert job.id in listed.stdout and "cancelled" in listed.stdout, listed.stdout
     job.release()
-    assert job._unfollowed.is_set()  # nothing left to follow: its exit says nothing of it
+    assert not testing.following(job)  # nothing left to follow: its exit says nothing of it
     fn.shutdown()
     wait_resources_back()
 
@@ -191,7 +183,7 @@ def test_a_rank_s_error_is_raised_with_its_root_cause_as_a_live_call_s(cluster):
         assert raised.value.root_cause.rank == 1
         assert "rank 1 has a bad batch" in str(raised.value)
         assert "fail_on_rank_1" in raised.value.root_cause.traceback
-        job = fn._runner.last
+        job = testing.last_job(fn)
         assert "rank 1 has a bad batch" in job.table().cause  # the table, from the supervisor
         job.release()
     wait_resources_back(timeout=30)
@@ -242,10 +234,10 @@ def test_a_short_blocking_call_comes_back_with_its_submit(cluster, capfd, monkey
         capfd.readouterr()
         assert fn(3, 0.0) == [0, 10]  # starts the ranks: longer than the first wait
         out, err = capfd.readouterr()
-        assert f"detached job {fn._runner.last.id}" in err, err
+        assert f"detached job {testing.last_job(fn).id}" in err, err
         for rank in (0, 1):
             assert _lines(out, rank) == [f"rank {rank} line {i}" for i in range(3)], out
-        fn._runner.last.release()
+        testing.last_job(fn).release()
         started: list[str] = []
         start = threading.Thread.start
 
@@ -258,7 +250,7 @@ def test_a_short_blocking_call_comes_back_with_its_submit(cluster, capfd, monkey
             monkeypatch.setattr(threading.Thread, "start", recorded)
             assert fn(0, 0.0) == [0, 10]
             monkeypatch.undo()
-            job = fn._runner.last
+            job = testing.last_job(fn)
             in_one.append(not any(job.id in name for name in started))
             job.release()
         assert any(in_one), started
@@ -278,8 +270,8 @@ def test_a_refusal_is_raised_and_a_call_after_the_supervisor_ended_idle_starts_a
     with distribute(count, num_replicas=2, replicas_per_node=1, detach=True, idle_timeout=1,
                     retention=1, address=cluster.address) as fn:
         assert fn(0, 0.0) == [0, 10]
-        kept = fn._runner.last  # not released: kept for its retention, 1 s
-        ended = fn._runner._supervisor_name
+        kept = testing.last_job(fn)  # not released: kept for its retention, 1 s
+        ended = testing.supervisor(fn)
         wait_for(lambda: ended not in _supervisors(), 60, "the idle supervisor ended")
         gone = re.escape("kept until job.release() or for its retention")
         with pytest.raises(ConfigError, match=gone):
@@ -287,14 +279,14 @@ def test_a_refusal_is_raised_and_a_call_after_the_supervisor_ended_idle_starts_a
         capfd.readouterr()
         assert fn(0, 0.0) == [0, 10]
         assert "its supervisor had ended" in capfd.readouterr().err
-        assert fn._runner._supervisor_name != ended
-        fn._runner.last.release()
+        assert testing.supervisor(fn) != ended
+        testing.last_job(fn).release()
     wait_resources_back(timeout=30)
-    mine = {fn._runner._supervisor_name, never._runner._supervisor_name}
+    mine = {testing.supervisor(fn), testing.supervisor(never)}
     wait_for(lambda: not mine.intersection(_supervisors()), 60, "their supervisors gone")
 
 
-INTERRUPTED = """from tests.test_detach import count
+INTERRUPTED = """from tests.detached_work import count
 from orchestrator import distribute
 fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True, address={address!r},
                 idle_timeout=5)
@@ -379,13 +371,8 @@ def _supervisors() -> list[str]:
     ]
 
 
-def pid() -> int:
-    """This rank's process id."""
-    return os.getpid()
-
-
 LATER = """\
-from tests.test_detach import pid
+from tests.detached_work import pid
 from orchestrator import distribute
 fn = distribute(pid, num_replicas=2, replicas_per_node=1, detach=True, address={address!r},
                 idle_timeout=20, env={env!r})
@@ -438,7 +425,7 @@ def _notebook(*cells: str) -> nbformat.NotebookNode:
 
 
 def test_a_notebook_gets_its_job_back_after_a_kernel_restart(cluster):
-    setup = f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom tests.test_detach import count"
+    setup = f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom tests.detached_work import count"
     before = _notebook(
         setup,
         "from orchestrator import distribute\n"

@@ -4,82 +4,37 @@ whatever becomes of its driver, and no call replaces or runs beside another."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any
 
-from orchestrator import distribute, get_job
-from orchestrator.supervise.detached import Detached
+from orchestrator import distribute, get_job, testing
+from tests.detached_work import LAYOUT, rank_and, warm
 from tests.helpers import ROOT, wait_resources_back
-
-LAYOUT: dict[str, Any] = {
-    "num_replicas": 2, "replicas_per_node": 2, "gpus_per_replica": 0, "detach": True,
-}
-"""Both ranks on one node (a driver's call goes to rank 0 alone); no GPU, so no store is
-made for these calls, which never rendezvous."""
-
-
-def rank_and(x: int, fail_once: str = "", kill: int = 0) -> tuple[int, int]:
-    """(this rank, x). `fail_once`: rank 1 raises where that file is not there yet (and
-    makes it); `kill`: rank 0 SIGKILLs that process (the driver), then the call goes on."""
-    rank = int(os.environ["RANK"])
-    if fail_once and rank == 1 and not os.path.exists(fail_once):
-        Path(fail_once).touch()
-        raise RuntimeError("the first attempt breaks")
-    if kill:
-        if rank == 0:
-            os.kill(kill, signal.SIGKILL)
-        time.sleep(0.5)  # well past the driver's wait: its word would have come by now
-    return rank, x
-
-
-def _sends(monkeypatch: Any) -> list[int]:
-    """Counts the calls this process sends through the supervisor (not directly)."""
-    sent: list[int] = []
-    send = Detached._send
-
-    def counted(self: Detached, *args: Any) -> Any:
-        sent.append(1)
-        return send(self, *args)
-
-    monkeypatch.setattr(Detached, "_send", counted)
-    return sent
-
-
-def _warm(fn: Any) -> None:
-    """A cold call, then warm ones through the supervisor until one lends the pool."""
-    for x in range(4):
-        assert fn(x) == [(0, x), (1, x)]
-        if fn._runner._holder._lease is not None:
-            return
-    raise AssertionError("no call through the supervisor lent the pool to this driver")
 
 
 def test_a_warm_call_goes_to_the_ranks_directly_and_is_kept_as_any_detached_job(
-    cluster, monkeypatch, tmp_path
+    cluster, tmp_path
 ):
     """queue=False: a call's notice may come while the supervisor still files the last
     call's results; it is never refused as busy (the call runs already)."""
     with distribute(rank_and, **LAYOUT,
                     address=cluster.address, max_restarts=1, queue=False) as fn:
-        _warm(fn)
-        sent = _sends(monkeypatch)
-        ids = []
-        for x in range(10, 15):
-            assert fn(x) == [(0, x), (1, x)]
-            ids.append(fn._runner.last.id)
-        assert not sent  # none went through the supervisor
-        got = get_job(ids[-1], show=False)  # the supervisor keeps each, as any job
-        assert got.result(timeout=30) == [(0, 14), (1, 14)]
-        assert str(got.status().state) == "finished"
-        # A failed direct call is taken over by the supervisor: restarted, reported.
-        assert fn(20, str(tmp_path / "failed")) == [(0, 20), (1, 20)]
-        assert not sent
-        status = fn._runner.last.status()
+        warm(fn)
+        with testing.sent_to_supervisor(fn) as sent:
+            ids = []
+            for x in range(10, 15):
+                assert fn(x) == [(0, x), (1, x)]
+                ids.append(testing.last_job(fn).id)
+            assert not sent  # none went through the supervisor
+            got = get_job(ids[-1], show=False)  # the supervisor keeps each, as any job
+            assert got.result(timeout=30) == [(0, 14), (1, 14)]
+            assert str(got.status().state) == "finished"
+            # A failed direct call is taken over by the supervisor: restarted, reported.
+            assert fn(20, str(tmp_path / "failed")) == [(0, 20), (1, 20)]
+            assert not sent
+        status = testing.last_job(fn).status()
         assert len(status.failed_attempts) == 1, status
         assert "the first attempt breaks" in status.failed_attempts[0], status
         assert fn(21) == [(0, 21), (1, 21)]  # and the next call works
@@ -87,12 +42,12 @@ def test_a_warm_call_goes_to_the_ranks_directly_and_is_kept_as_any_detached_job(
 
 
 TWO = """\
-from tests.test_direct import LAYOUT, rank_and
-from orchestrator import distribute
+from tests.detached_work import LAYOUT, rank_and
+from orchestrator import distribute, testing
 fn = distribute(rank_and, **LAYOUT, address={address!r},
                 name="shared", queue=True)
 for x in range(100, 140):
-    assert fn(x) == [(0, x), (1, x)], (x, fn._runner.last.id)
+    assert fn(x) == [(0, x), (1, x)], (x, testing.last_job(fn).id)
 print("OK", flush=True)
 """
 
@@ -102,7 +57,7 @@ def test_two_drivers_on_one_warm_pool_each_get_their_own_calls(cluster):
     replaces another's or runs beside it, whichever driver holds the lease."""
     with distribute(rank_and, **LAYOUT,
                     address=cluster.address, name="shared", queue=True) as fn:
-        _warm(fn)
+        warm(fn)
         other = subprocess.Popen(
             [sys.executable, "-c", TWO.format(address=cluster.address)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -122,11 +77,11 @@ def test_two_drivers_on_one_warm_pool_each_get_their_own_calls(cluster):
 
 KILLED = """\
 import os
-from tests.test_direct import LAYOUT, _warm, rank_and
+from tests.detached_work import LAYOUT, rank_and, warm
 from orchestrator import distribute
 fn = distribute(rank_and, **LAYOUT, address={address!r},
                 name="killed", idle_timeout=2)
-_warm(fn)
+warm(fn)
 print("JOB", flush=True)
 fn(7, kill=os.getpid())
 """
@@ -156,8 +111,8 @@ def test_a_lease_on_a_pool_released_meanwhile_costs_only_a_new_start(cluster):
     job kept): the next call starts a pool anew, as any first call."""
     with distribute(rank_and, **LAYOUT, address=cluster.address, idle_timeout=1,
                     retention=1) as fn:
-        _warm(fn)
-        fn._runner.last.release()
+        warm(fn)
+        testing.last_job(fn).release()
         wait_resources_back(timeout=30)  # the ranks went idle, then the supervisor
         time.sleep(2)
         assert fn(5) == [(0, 5), (1, 5)]

@@ -10,7 +10,14 @@ import time
 import pytest
 from ray.util import placement_group_table
 
-from orchestrator import BusyError, PlacementError, PlacementTimeoutError, distribute, runner
+from orchestrator import (
+    BusyError,
+    PlacementError,
+    PlacementTimeoutError,
+    distribute,
+    runner,
+    testing,
+)
 from tests.helpers import wait_resources_back
 
 from .helpers import wait_for
@@ -153,9 +160,7 @@ def test_queued_calls_run_in_turn_with_their_own_arguments_and_options(cluster):
     [(word2, pid2)] = second.result(timeout=90)
     assert (word1, word2) == ("first", "second")
     assert pid1 == pid2  # the same warm actor, in turn
-    from orchestrator import job as job_module
-
-    assert not job_module._live  # the refused and the cancelled job are forgotten
+    assert not testing.live_jobs()  # the refused and the cancelled job are forgotten
 
     # A copy made with with_options keeps the pool alive after the original is gone.
     copy = fn.with_options(timeout=60)

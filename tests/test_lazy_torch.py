@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-from orchestrator import distribute
+from orchestrator import distribute, testing
 from tests.helpers import wait_resources_back
 
 
@@ -78,7 +78,7 @@ def test_a_job_that_names_torch_loads_it_as_its_ranks_start(cluster):
         assert min(frozen for *_, frozen in outcomes) > 100_000, outcomes
         job = fn.submit()
         job.result(timeout=60)
-        assert job._call is not None and not job._call.store_open  # rank 0 made no store
+        assert testing.store_open(job) is False  # rank 0 made no store
     finally:
         fn.shutdown()
     wait_resources_back()

@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 
-from orchestrator import DistributedError, distribute
+from orchestrator import DistributedError, distribute, testing
 from orchestrator.show.logs import PARTIAL_DELAY_S, PROGRESS_INTERVAL_S, Console
 from orchestrator_workers.protocol import OutputChunk
 
@@ -379,21 +379,10 @@ def test_a_quiet_warm_call_after_one_that_printed(cluster):
         assert fn.submit(True).result(timeout=30) == [1, 1]
 
 
-def test_a_line_is_shown_while_the_call_runs_and_a_quiet_wait_is_cheap(
-    cluster, tmp_path, monkeypatch
-):
+def test_a_line_is_shown_while_the_call_runs_and_a_quiet_wait_is_cheap(cluster, tmp_path):
     """The driver wakes when a rank prints (the line is shown while the call still runs)
-    or a run ends; otherwise only every `_IDLE_S`: a quiet call costs it a few passes."""
-    from orchestrator import call as call_module
-
-    passes: list[float] = []
-    real = call_module.Call._wait_runs
-
-    def counted(self: call_module.Call, wait_s: float | None) -> object:
-        passes.append(time.monotonic())
-        return real(self, wait_s)
-
-    monkeypatch.setattr(call_module.Call, "_wait_runs", counted)
+    or a run ends; otherwise only every `testing.idle_wait_s()`: a quiet call costs it a
+    few passes."""
     go = tmp_path / "go"
 
     def speak_then_wait(path: str) -> int:
@@ -403,7 +392,10 @@ def test_a_line_is_shown_while_the_call_runs_and_a_quiet_wait_is_cheap(
         time.sleep(2.0)  # quiet
         return 1
 
-    with distribute(speak_then_wait, num_replicas=2, replicas_per_node=1, name="wake") as fn:
+    with (
+        testing.wait_passes() as passes,
+        distribute(speak_then_wait, num_replicas=2, replicas_per_node=1, name="wake") as fn,
+    ):
         job = fn.submit(str(go))
         deadline = time.monotonic() + 60
         while {r.last_line for r in job.table().rows} != {"rank 0 waits", "rank 1 waits"}:
@@ -413,6 +405,8 @@ def test_a_line_is_shown_while_the_call_runs_and_a_quiet_wait_is_cheap(
         quiet_from = time.monotonic()
         go.touch()  # the ranks go on only once the driver has shown their lines
         assert job.result(timeout=60) == [1, 1]
+        quiet_s = time.monotonic() - quiet_from
     quiet = [t for t in passes if t > quiet_from]
-    # 2 s without output: about 2 / _IDLE_S passes, and one as the runs end (not 20).
-    assert len(quiet) <= 2 / call_module._IDLE_S + 3, len(quiet)
+    # 2 s without output (longer on a loaded machine): a pass every idle_wait_s, and one
+    # as the runs end; not one per poll of the table.
+    assert len(quiet) <= quiet_s / testing.idle_wait_s() + 3, (len(quiet), quiet_s)
