@@ -27,13 +27,13 @@ from orchestrator.errors import (
     distributed_error,
     is_secondary,
 )
+from orchestrator.hook import START, Collect, Start
 from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
 from orchestrator.show import messages
 from orchestrator.show.logs import Console, Journaling
 from orchestrator.show.status import StatusLine
-from orchestrator.supervise.direct import DirectCall
 from orchestrator.view import CallView, snapshot
 from orchestrator_workers.protocol import CallSpec, Collected, Lease, RankFailure, RankResult
 from orchestrator_workers.states import State
@@ -77,8 +77,7 @@ class Call:
         restart_count: int = 0,
         earlier: Sequence[BaseException] = (),
         job_secret: bytes = b"",
-        adopt: DirectCall | None = None,
-        lend: bytes | None = None,
+        begin: Start | Collect = START,
     ) -> None:
         """Start the shipped function (see `shipping.ship`) on every rank of `pool`.
 
@@ -86,8 +85,8 @@ class Call:
         all its attempts); `sink(stream, text)` takes it instead of the console (a
         notebook cell); `journal` records every chunk too (a detached job's). `earlier`:
         the job's failed attempts, for this one's error. `job_secret`: the same for all
-        the job's attempts (its ranks' snapshots, see snapshot). `adopt`: the driver's own
-        call, started already; `lend`: the token rank 0 lends (see supervise.direct).
+        the job's attempts (its ranks' snapshots, see snapshot). `begin`: start the call
+        (lending the token it names), or collect one another process started (see hook).
         """
         self.pool = pool
         self.console = Console(
@@ -106,19 +105,25 @@ class Call:
         self.timeout = options.timeout
         self.stop = stop or threading.Event()
         self.earlier = tuple(earlier)
-        self.share_key = adopt.call_id.decode() if adopt else uuid.uuid4().hex[:16]
-        self.call_id = self.share_key.encode()
-        if adopt is not None:  # started by its driver: its outcomes are collected at rank 0
+        if isinstance(begin, Collect):  # its outcomes are collected at rank 0
+            self.share_key = begin.started.call_id.decode()
+            self.call_id = begin.started.call_id
+            pool.store_port = begin.started.port
             everyone = Awaited(tuple(range(len(pool.actors))), 0)
             self.runs = {pool.actors[0].collect.remote(self.call_id): everyone}
         else:
-            call = CallSpec(
-                master_port=pool.store_port, restart_count=restart_count,
-                max_restarts=options.max_restarts, share_key=self.share_key,
-                uses_torch=shipped.uses_torch or pool.request.gpus_per_replica > 0,
-                watched=options.stall_after is not None, job_secret=job_secret,
+            self.share_key = uuid.uuid4().hex[:16]
+            self.call_id = self.share_key.encode()
+            spec = call_spec(
+                options,
+                shipped,
+                gpus=pool.request.gpus_per_replica > 0,
+                port=pool.store_port,
+                share_key=self.share_key,
+                job_secret=job_secret,
+                restart_count=restart_count,
             )
-            self.runs = self._start(pickle.dumps(call), shipped.data, lend)
+            self.runs = self._start(spec, shipped.data, begin.lend)
         """The Ray tasks in flight that bring ranks' outcomes, and whose."""
         self.output = CallOutput(pool, self.console)
         self.next_port: int | None = None
@@ -142,21 +147,20 @@ class Call:
     ) -> dict[Any, Awaited]:
         """Start the call on every rank. A small payload is handed off (see handoff): one
         Ray task to each node's first rank, or on many nodes to rank 0, which calls the
-        others (and lends `lend`). A large one goes in one Ray task per rank, each of
-        which reads it from the object store in place."""
-        pool, lease = self.pool, {} if lend is None else {"lease": Lease(None, lend)}
+        others. Each node's first rank lends `lend` (see `hook.Start`). A large one goes in
+        one Ray task per rank, each of which reads it from the object store in place."""
+        pool = self.pool
         if pool.handoff and isinstance(data, bytes) and pool.others:  # rank 0 calls the nodes
-            first, others = pool.nodes[0], pool.others_for_call()
-            args = (self.call_id, packed_call, data, first.peers, others)
-            ref = pool.actors[first.ranks[0]].run_node.remote(*args, **lease)
+            first = pool.nodes[0]
+            args = (self.call_id, packed_call, data, first.peers, pool.others_for_call())
+            ref = _run_node(pool.actors[first.ranks[0]], args, lend)
             return {ref: Awaited(tuple(range(len(pool.actors))), first.ranks[0])}
         if pool.handoff and isinstance(data, bytes):  # the driver calls each node's first rank
             runs = {}
             for node in pool.nodes:
                 args = (self.call_id, packed_call, data, node.peers, ())
-                runs[pool.actors[node.ranks[0]].run_node.remote(*args, **lease)] = Awaited(
-                    node.ranks, node.ranks[0]
-                )
+                ref = _run_node(pool.actors[node.ranks[0]], args, lend)
+                runs[ref] = Awaited(node.ranks, node.ranks[0])
             return runs
         specs = zip(pool.actors, pool.packed_specs, strict=True)
         return {
@@ -383,6 +387,39 @@ class Call:
         if stall is None:
             raise JobTimeoutError(after_s, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
         raise StallError(after_s, stall, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
+
+
+def call_spec(
+    options: Options,
+    shipped: Shipment,
+    *,
+    gpus: bool,
+    port: int,
+    share_key: str,
+    job_secret: bytes,
+    restart_count: int = 0,
+) -> bytes:
+    """What a call adds to every rank's RankSpec (a CallSpec), pickled once for all: the
+    one rule, for a call started by a runner or by a detached function's driver. `gpus`:
+    the ranks have GPUs (they load torch); `port`: rank 0's store's."""
+    spec = CallSpec(
+        master_port=port,
+        restart_count=restart_count,
+        max_restarts=options.max_restarts,
+        share_key=share_key,
+        uses_torch=shipped.uses_torch or gpus,
+        watched=options.stall_after is not None,
+        job_secret=job_secret,
+    )
+    return pickle.dumps(spec, pickle.HIGHEST_PROTOCOL)
+
+
+def _run_node(actor: Any, args: tuple[Any, ...], lend: bytes | None) -> ray.ObjectRef:
+    """`actor`'s `run_node(*args)`, lending `lend` where there is one to lend (else the
+    start carries no lease at all: nothing more to send)."""
+    if lend is None:
+        return actor.run_node.remote(*args)
+    return actor.run_node.remote(*args, lease=Lease(None, lend))
 
 
 def _ready(

@@ -22,6 +22,7 @@ import ray
 from orchestrator import call, logfiles, reserve, restart, shipping
 from orchestrator.connect import cluster
 from orchestrator.errors import BusyError, OrchestratorError, PlacementTimeoutError, StopRequested
+from orchestrator.hook import Ended, RunFirst, RunnerHook, Started
 from orchestrator.job import Job
 from orchestrator.options import Options
 from orchestrator.pool import Pool
@@ -29,7 +30,6 @@ from orchestrator.reserve import Plan
 from orchestrator.shipping import Shipment
 from orchestrator.show import messages
 from orchestrator.show.logs import Journaling
-from orchestrator.supervise import direct
 from orchestrator_workers import environment
 from orchestrator_workers.protocol import Payload
 from orchestrator_workers.states import State
@@ -37,14 +37,14 @@ from orchestrator_workers.states import State
 
 @dataclass
 class _Entry:
-    """A job queued and what it runs (a detached job's `lend`, `driver_call`: supervise.direct)."""
+    """A job queued and what it runs (`started`, `lend`: see `hook.Started`, `hook.Start`)."""
 
     job: Job[Any]
     shipped: Shipment
     options: Options
     plan: Plan | None
+    started: Started | None = None
     lend: bytes | None = field(default=None, repr=False)
-    driver_call: direct.DirectCall | None = None
 
 
 _LINGER_S = 2.0
@@ -71,10 +71,12 @@ class Runner:
     options: each job brings its own.
     """
 
-    def __init__(self, name: str, options: Options) -> None:
-        """A runner with no pool and no thread yet: both start with the first job."""
+    def __init__(self, name: str, options: Options, hook: RunnerHook | None = None) -> None:
+        """A runner with no pool and no thread yet: both start with the first job. `hook`:
+        what its owner decides about the calls on its pool (default: nothing)."""
         self.name = name
         self.options = options
+        self.hook = hook or RunnerHook()
         self._box = _PoolBox()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -84,8 +86,6 @@ class Runner:
         """The job running now, if any."""
         self.last: Job[Any] | None = None
         """The job submitted last."""
-        self.leases: direct.Leases | None = None
-        """A detached function's supervisor's: its drivers' own calls (supervise.direct)."""
         weakref.finalize(self, self._box.release)
         _runners.add(self)
 
@@ -128,14 +128,14 @@ class Runner:
         owner: Any = None,
         in_cell: bool = False,
         journal: Journaling | None = None,
+        started: Started | None = None,
         lend: bytes | None = None,
-        driver_call: direct.DirectCall | None = None,
     ) -> Job[Any]:
         """Queue a call packed already (`shipping.pack`, or shipped), as `submit` does; its
         Job.
 
         `journal`: where the job's output is recorded too (a detached job's supervisor);
-        `lend`, `driver_call`: see `_Entry`.
+        `started`, `lend`: see `_Entry`.
         """
         self._refuse_if_busy(options)
         plan = None if self.pool is not None else reserve.plan(options)
@@ -157,7 +157,7 @@ class Runner:
             except BusyError:
                 job._discard()
                 raise
-            self._queue.append(_Entry(job, shipped, options, plan, lend, driver_call))
+            self._queue.append(_Entry(job, shipped, options, plan, started, lend))
             self.last = job
             self._wakeup.notify()
             if self._thread is None:
@@ -175,7 +175,7 @@ class Runner:
     def stop(self, job: Job[Any]) -> None:
         """Withdraw a queued `job`, or kill its ranks if it runs (a waiting one sees its flag)."""
         with self._lock:
-            for entry in [e for e in self._queue if e.job is job]:  # in place: see _direct_first
+            for entry in [e for e in self._queue if e.job is job]:  # a copy: removed in place
                 self._queue.remove(entry)
             pool = self.pool if job is self.current else None
             if pool is not None:
@@ -185,9 +185,9 @@ class Runner:
 
     def release_if_idle(self, reason: str) -> bool:
         """Release the warm pool if no call runs or waits on it; True if released."""
-        leases, pool, idle = self.leases, self.pool, self.current is None and not self._queue
-        if leases is not None and pool is not None and idle and leases.revoke(pool) is not None:
-            return False  # a driver's own call holds the ranks: its job comes
+        pool, idle = self.pool, self.current is None and not self._queue
+        if pool is not None and idle and not self.hook.may_release(pool):
+            return False
         with self._lock:
             pool = self.pool
             if pool is None or self.current is not None or self._queue:
@@ -227,7 +227,7 @@ class Runner:
                 entry = self._queue.popleft()
                 self.current = entry.job
             try:
-                entry = self._direct_first(entry)
+                entry = self._first(entry)
                 entry.job._context.run(self._execute, entry)
             except BaseException as exc:  # noqa: BLE001 - a bug here must not strand jobs
                 entry.job._finish(error=exc)
@@ -236,18 +236,34 @@ class Runner:
                     self.current = None
                     self._wakeup.notify_all()  # for `settle`
 
-    def _direct_first(self, entry: _Entry) -> _Entry:
-        """`entry`, or first the job of a driver's call that holds the ranks (supervise.direct)."""
-        if self.leases is None:
+    def _first(self, entry: _Entry) -> _Entry:
+        """`entry`, or first the job the hook says holds the ranks now (`entry` then next)."""
+        pool = self.pool
+        if pool is None:
             return entry
-        first: _Entry | None = direct.next_entry(self.leases, self.pool, entry.driver_call,
-                                                 self._wakeup, self._queue)
-        if first is None:
-            return entry
+        while (first := self.hook.run_first(pool, entry.started)) is not None:
+            found = self._take_queued(first)
+            if found is not None:
+                with self._lock:
+                    self._queue.appendleft(entry)
+                    self.current = found.job
+                return found
+            self.hook.missed(pool, first.call_id)
+        return entry
+
+    def _take_queued(self, first: RunFirst) -> _Entry | None:
+        """The entry of started call `first.call_id`, taken out of the queue once it comes;
+        None where it did not come within `first.wait_s`."""
+
+        def find() -> _Entry | None:
+            calls = (e for e in self._queue if e.started and e.started.call_id == first.call_id)
+            return next(calls, None)
+
         with self._lock:
-            self._queue.appendleft(entry)
-            self.current = first.job
-        return first
+            found = self._wakeup.wait_for(find, first.wait_s)
+            if found is not None:
+                self._queue.remove(found)
+            return found
 
     def _execute(self, entry: _Entry) -> None:
         """Run the entry's job: start the pool if needed, call, restart as allowed, settle
@@ -257,8 +273,8 @@ class Runner:
         """
         job, options, plan = entry.job, entry.options, entry.plan
         earlier: list[BaseException] = []
-        # The job's, for all its attempts (its ranks' snapshots); a driver's call brings its own.
-        secret = entry.driver_call.secret if entry.driver_call is not None else os.urandom(32)
+        # The job's, for all its attempts (its ranks' snapshots); a started call brings its own.
+        secret = entry.started.secret if entry.started is not None else os.urandom(32)
         while not job._stop_requested.is_set():
             try:
                 value = self._attempt(entry, plan, earlier, secret=secret)
@@ -322,15 +338,12 @@ class Runner:
             self._box.pool = self._start(job, plan or reserve.plan(options), shipped.uses_torch)
         pool = self.pool
         assert pool is not None
-        first = not earlier  # a driver's own call is so only at its first attempt
-        how, values, lend = "own", None, None
-        if self.leases is not None:
-            how, values, lend = direct.before_attempt(
-                self.leases, pool, entry.driver_call if first else None,
-                entry.lend if first else None, job._stop_requested,
-            )
-            if how == "values":
-                return values  # type: ignore[return-value]
+        first = not earlier  # a started call is so at its first attempt alone
+        started, lend = (entry.started, entry.lend) if first else (None, None)
+        begin = self.hook.begin(pool, started, lend, job._stop_requested)
+        if isinstance(begin, Ended):
+            pool.use_store(begin.next_port, close=False)
+            return begin.values
         attempt = call.Call(
             pool,
             shipped,
@@ -342,8 +355,7 @@ class Runner:
             restart_count=len(earlier),
             earlier=earlier,
             job_secret=secret,
-            adopt=entry.driver_call if how == "adopt" else None,
-            lend=lend,
+            begin=begin,
         )
         job._attempt(attempt)
         return attempt.wait()

@@ -14,6 +14,7 @@ import pytest
 
 import orchestrator
 import orchestrator_workers
+from orchestrator.hook import Start, Started
 from orchestrator.pool import PoolNode
 from orchestrator.runner import _Entry
 from orchestrator.supervise import direct
@@ -43,7 +44,7 @@ def _peers() -> bytes:
 
 
 def _call() -> direct.DirectCall:
-    return direct.DirectCall(b"call-id", SECRET, SECRET, SECRET, 29500)
+    return direct.DirectCall(b"call-id", SECRET, 29500, token=SECRET, lend=SECRET)
 
 
 HOLDERS: dict[str, Callable[[], object]] = {
@@ -51,7 +52,9 @@ HOLDERS: dict[str, Callable[[], object]] = {
     "Loan": lambda: direct.Loan("pool", SECRET, 29500, False, peers=_peers()),
     "Lease": lambda: Lease(SECRET, SECRET),
     "Used": lambda: Used(b"call-id", SECRET),
-    "runner._Entry": lambda: _Entry(None, None, None, None, SECRET, _call()),  # type: ignore[arg-type]
+    "Started": lambda: Started(b"call-id", SECRET, 29500),
+    "Start": lambda: Start(SECRET),
+    "runner._Entry": lambda: _Entry(None, None, None, None, _call(), SECRET),  # type: ignore[arg-type]
     "PoolNode": lambda: PoolNode("node", (0, 1), _peers()),
     "RemoteNode": lambda: RemoteNode(None, (2, 3), _peers()),
     "Peer": lambda: Peer(0, "orchestrator-door", 1234, b"spec", key=SECRET),

@@ -33,6 +33,7 @@ from orchestrator.show.logs import Bulk
 from orchestrator.show.notebook import Table
 from orchestrator.supervise import direct, listing, registry
 from orchestrator.supervise.journal import Journal
+from orchestrator.supervise.lending import Lending, pool_id
 from orchestrator_workers.protocol import Payload, unwire, wire
 
 NAMESPACE = "orchestrator"
@@ -100,8 +101,8 @@ class Supervisor:
         self._pool_key = pool_key
         self._actor_name = actor_name
         self._ending = False
-        self._runner = Runner(name, self.options)
-        self._runner.leases = direct.Leases()
+        self._lending = Lending()
+        self._runner = Runner(name, self.options, self._lending)
         self._jobs: dict[str, _Kept] = {}
         self._lock = threading.Lock()
         self._idle_since = time.monotonic()
@@ -169,16 +170,16 @@ class Supervisor:
 
     def settle(self, call_id: bytes, packed: bytes) -> None:
         """Its driver's word on a call it made itself: a `direct.Settled`, wired."""
-        self._runner.leases.say(call_id, unwire(packed))  # type: ignore[union-attr]
+        self._lending.say(call_id, unwire(packed))
 
     def _loan(self, lend: bytes | None, known: str) -> direct.Loan | None:
         """The loan for its driver's next call, where the token `lend` is still lent."""
-        pool, leases = self._runner.pool, self._runner.leases
-        if lend is None or pool is None or leases is None or leases.outstanding != lend:
+        pool = self._runner.pool
+        if lend is None or pool is None or self._lending.outstanding != lend:
             return None
-        full = known != direct.pool_id(pool)  # else the driver has rank 0 and its peers
+        full = known != pool_id(pool)  # else the driver has rank 0 and its peers
         return direct.Loan(
-            pool=direct.pool_id(pool),
+            pool=pool_id(pool),
             token=lend,
             port=pool.store_port,
             gpus=pool.request.gpus_per_replica > 0,
@@ -207,7 +208,7 @@ class Supervisor:
         try:
             journal = Journal(options.num_replicas)
             job = self._runner.submit_packed(
-                payload, uses_torch, options, journal=journal, lend=lend, driver_call=call
+                payload, uses_torch, options, journal=journal, started=call, lend=lend
             )
             mine = call is not None
             job.add_done_callback(lambda _: self._publisher.ended(job_id, driver_call=mine))
