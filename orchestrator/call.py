@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,23 @@ prints, and at least this often, to see a stop (which kills the ranks: their run
 
 
 @dataclass(frozen=True)
+class JobContext:
+    """What every attempt of one job shares: where its output goes, its stop, its secret."""
+
+    log_dir: Path | None = None
+    """Its per-rank log folder, one for all its attempts (None: no log files)."""
+    sink: Callable[[str, str], None] | None = None
+    """Takes the ranks' output instead of the console (a notebook cell): `sink(stream,
+    text)`."""
+    journal: Journaling | None = None
+    """Records every chunk too (a detached job's, for its followers)."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set once the job is stopped: its ranks are killed, and its call raises StopRequested."""
+    secret: bytes = field(default=b"", repr=False)
+    """The same for all its attempts: its ranks' snapshots prove it (see snapshot)."""
+
+
+@dataclass(frozen=True)
 class Awaited:
     """The ranks whose outcomes one Ray task in flight brings."""
 
@@ -69,24 +86,17 @@ class Call:
         pool: Pool,
         shipped: Shipment,
         options: Options,
+        context: JobContext,
         *,
-        log_dir: Path | None = None,
-        sink: Callable[[str, str], None] | None = None,
-        journal: Journaling | None = None,
-        stop: threading.Event | None = None,
-        restart_count: int = 0,
         earlier: Sequence[BaseException] = (),
-        job_secret: bytes = b"",
         begin: Start | Collect = START,
     ) -> None:
-        """Start the shipped function (see `shipping.ship`) on every rank of `pool`.
+        """Start the shipped function (see `shipping.ship`) on every rank of `pool`, as an
+        attempt of the job whose `context` it takes.
 
-        Its output is shown as `options` say, and filed in `log_dir` (the job's, one for
-        all its attempts); `sink(stream, text)` takes it instead of the console (a
-        notebook cell); `journal` records every chunk too (a detached job's). `earlier`:
-        the job's failed attempts, for this one's error. `job_secret`: the same for all
-        the job's attempts (its ranks' snapshots, see snapshot). `begin`: start the call
-        (lending the token it names), or collect one another process started (see hook).
+        Its output is shown as `options` say. `earlier`: the job's failed attempts, for
+        this one's error. `begin`: start the call (lending the token it names), or collect
+        one another process started (see hook).
         """
         self.pool = pool
         self.console = Console(
@@ -94,16 +104,17 @@ class Call:
             len(pool.actors),
             prefix=options.log_prefix,
             show=options.log_ranks,
-            log_dir=log_dir,
-            sink=sink,
+            log_dir=context.log_dir,
+            sink=context.sink,
             fold=options.fold_output,
-            journal=journal,
+            journal=context.journal,
         )
+        restart_count = len(earlier)
         if restart_count:
             attempt = f"attempt {restart_count + 1} (restart {restart_count})"
             self.console.mark_files(f"--- {attempt} ---")
         self.timeout = options.timeout
-        self.stop = stop or threading.Event()
+        self.stop = context.stop
         self.earlier = tuple(earlier)
         if isinstance(begin, Collect):  # its outcomes are collected at rank 0
             self.share_key = begin.started.call_id.decode()
@@ -120,7 +131,7 @@ class Call:
                 gpus=pool.request.gpus_per_replica > 0,
                 port=pool.store_port,
                 share_key=self.share_key,
-                job_secret=job_secret,
+                job_secret=context.secret,
                 restart_count=restart_count,
             )
             self.runs = self._start(spec, shipped.data, begin.lend)
@@ -139,7 +150,7 @@ class Call:
         self.time_limit = None if self.timeout is None else started + self.timeout
         after, on_stall = options.stall_after, options.on_stall
         self.monitor = None if after is None else Monitor(pool, started, after, on_stall)
-        quiet = sink is not None  # a notebook cell shows the ranks' table instead
+        quiet = context.sink is not None  # a notebook cell shows the ranks' table instead
         self.status = None if quiet else StatusLine(pool.name, len(pool.actors), started, self.view)
 
     def _start(

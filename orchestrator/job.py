@@ -11,7 +11,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from orchestrator.errors import describe, summary
 from orchestrator.logfiles import read_log
@@ -23,11 +23,12 @@ from orchestrator_workers.states import State
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
-    from orchestrator.show.logs import Journaling
     from orchestrator.view import CallView
     from orchestrator_workers.protocol import RankFailure
 
 R = TypeVar("R")
+T = TypeVar("T")
+P = ParamSpec("P")
 
 QUEUED, PENDING, STARTING, RUNNING = State.QUEUED, State.PENDING, State.STARTING, State.RUNNING
 FINISHED, FAILED, CANCELLED, STOPPED = State.FINISHED, State.FAILED, State.CANCELLED, State.STOPPED
@@ -116,8 +117,6 @@ class Job(Future[list[R]]):
         """The running (or last) attempt's call, once its ranks started."""
         self._cell: CellOutput | None = None
         """In a notebook, the submitting cell's display that shows the ranks' output."""
-        self._journal: Journaling | None = None
-        """Where a detached job's supervisor records its ranks' output, for its followers."""
         self._owner = owner
         self._stop = stop
         self._error: BaseException | None = None
@@ -249,12 +248,7 @@ class Job(Future[list[R]]):
         state = CANCELLED if self.cancelled() else self._phase
         return f"<Job {self.name} {state}>"
 
-    # The runner's side: private to orchestrator.runner.
-
-    def _attempt(self, call: Call) -> None:
-        """Record that an attempt's ranks run `call` now."""
-        self._call = call
-        self._set_phase(RUNNING)
+    # What the job's runner (through a JobControl) and a subclass tell it.
 
     def _set_phase(self, phase: State, waiting_for: str | None = None) -> None:
         """Record the job's progress: pending (with what it waits for), starting, running."""
@@ -265,28 +259,6 @@ class Job(Future[list[R]]):
         if changed and self._cell is not None:
             detail = f": {waiting_for}" if waiting_for else ""
             self._cell.set_title(f"[{self.name}] {phase}{detail}")
-
-    def _restarted(self, error: BaseException) -> None:
-        """Record a failed attempt that is followed by a restart, and say so."""
-        self._failed_attempts.append(summary(error))
-        line = restart_line(len(self._failed_attempts), self._failed_attempts[-1], self.num_ranks)
-        if self._cell is not None:
-            self._cell.write("stderr", f"[{self.name}] {line}\n")
-        else:
-            messages.warn(line, job=self.name)
-        self._set_phase(STARTING)
-
-    def _replaced(self, ranks: set[int]) -> None:
-        """Say which ranks the restart replaced, the others kept with their processes."""
-        kept = sorted(set(range(self.num_ranks)) - ranks)
-        line = (
-            f"restart {len(self._failed_attempts)}: rank(s) {rank_label(ranks)} in new "
-            f"processes; rank(s) {rank_label(kept)} kept, with their memory"
-        )
-        if self._cell is not None:
-            self._cell.write("stderr", f"[{self.name}] {line}\n")
-        else:
-            messages.say(line, job=self.name)
 
     def _finish(self, value: list[R] | None = None, error: BaseException | None = None) -> None:
         """Settle the future with the ranks' results or the error (a cancelled job stays so).
@@ -319,6 +291,76 @@ class Job(Future[list[R]]):
         if self._cell is not None:
             with contextlib.suppress(Exception):  # the job settles whatever the display does
                 self._cell.set_title(f"[{self.name}] {ended}")
+
+
+class JobControl:
+    """The runner's hold on a job it runs: everything it tells the job, and what the job's
+    calls take from it. The runner reaches a `Job` through this alone."""
+
+    def __init__(self, job: Job[Any]) -> None:
+        """Drive `job`."""
+        self.job = job
+        self.stop = job._stop_requested
+        """Set once the job is stopped (cancelled): its calls and its waits end."""
+
+    @property
+    def sink(self) -> Callable[[str, str], None] | None:
+        """Where the job's shown output goes instead of the console (its notebook cell)."""
+        cell = self.job._cell
+        return cell.write if cell is not None else None
+
+    @property
+    def call(self) -> Call | None:
+        """The running (or last) attempt's call, once its ranks started."""
+        return self.job._call
+
+    def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`fn(*args, **kwargs)` in the submitter's context (a notebook routes the ranks'
+        output by it to the submitting cell)."""
+        return self.job._context.run(fn, *args, **kwargs)
+
+    def phase(self, phase: State, waiting_for: str | None = None) -> None:
+        """The job's progress: pending (with what it waits for), starting."""
+        self.job._set_phase(phase, waiting_for)
+
+    def running(self, call: Call) -> None:
+        """An attempt's ranks run `call` now."""
+        self.job._call = call
+        self.job._set_phase(RUNNING)
+
+    def restarted(self, error: BaseException) -> None:
+        """A failed attempt is followed by a restart: say so."""
+        job = self.job
+        job._failed_attempts.append(summary(error))
+        self._say(restart_line(len(job._failed_attempts), job._failed_attempts[-1], job.num_ranks))
+        job._set_phase(STARTING)
+
+    def replaced(self, ranks: set[int]) -> None:
+        """Say which ranks the restart replaced, the others kept with their processes."""
+        kept = sorted(set(range(self.job.num_ranks)) - ranks)
+        self._say(
+            f"restart {len(self.job._failed_attempts)}: rank(s) {rank_label(ranks)} in new "
+            f"processes; rank(s) {rank_label(kept)} kept, with their memory",
+            warn=False,
+        )
+
+    def finish(self, value: list[Any] | None = None, error: BaseException | None = None) -> None:
+        """Settle the job with the ranks' results or the error (see `Job._finish`)."""
+        self.job._finish(value, error)
+
+    def discard(self) -> None:
+        """Stop tracking a job whose submit failed."""
+        self.job._discard()
+
+    def _say(self, line: str, *, warn: bool = True) -> None:
+        """Say `line` in the job's cell, or as the driver's message (`warn`: a warning)."""
+        job = self.job
+        if job._cell is not None:
+            job._cell.write("stderr", f"[{job.name}] {line}\n")
+        elif warn:
+            messages.warn(line, job=job.name)
+        else:
+            messages.say(line, job=job.name)
 
 
 def restart_line(attempt: int, why: str, ranks: int) -> str:

@@ -23,7 +23,7 @@ from orchestrator import call, logfiles, reserve, restart, shipping
 from orchestrator.connect import cluster
 from orchestrator.errors import BusyError, OrchestratorError, PlacementTimeoutError, StopRequested
 from orchestrator.hook import Ended, RunFirst, RunnerHook, Started
-from orchestrator.job import Job
+from orchestrator.job import Job, JobControl
 from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.reserve import Plan
@@ -37,14 +37,21 @@ from orchestrator_workers.states import State
 
 @dataclass
 class _Entry:
-    """A job queued and what it runs (`started`, `lend`: see `hook.Started`, `hook.Start`)."""
+    """A job queued and what it runs (`journal`: where its output is recorded too;
+    `started`, `lend`: see `hook.Started`, `hook.Start`)."""
 
-    job: Job[Any]
+    control: JobControl
     shipped: Shipment
     options: Options
     plan: Plan | None
+    journal: Journaling | None = None
     started: Started | None = None
     lend: bytes | None = field(default=None, repr=False)
+
+    @property
+    def job(self) -> Job[Any]:
+        """The job queued."""
+        return self.control.job
 
 
 _LINGER_S = 2.0
@@ -150,14 +157,14 @@ class Runner:
             self.name, options.num_replicas, self.stop, log_dir=log_dir, in_cell=in_cell,
             owner=owner,
         )
-        job._journal = journal
+        control = JobControl(job)
         with self._lock:
             try:
                 self._refuse_if_busy(options)  # under the lock: another thread may have won
             except BusyError:
-                job._discard()
+                control.discard()
                 raise
-            self._queue.append(_Entry(job, shipped, options, plan, started, lend))
+            self._queue.append(_Entry(control, shipped, options, plan, journal, started, lend))
             self.last = job
             self._wakeup.notify()
             if self._thread is None:
@@ -228,9 +235,9 @@ class Runner:
                 self.current = entry.job
             try:
                 entry = self._first(entry)
-                entry.job._context.run(self._execute, entry)
+                entry.control.run(self._execute, entry)
             except BaseException as exc:  # noqa: BLE001 - a bug here must not strand jobs
-                entry.job._finish(error=exc)
+                entry.control.finish(error=exc)
             finally:
                 with self._lock:
                     self.current = None
@@ -271,33 +278,32 @@ class Runner:
 
         A cancelled job is settled by cancel(); every other outcome here.
         """
-        job, options, plan = entry.job, entry.options, entry.plan
+        control, options, plan = entry.control, entry.options, entry.plan
+        context = self._context(entry)
         earlier: list[BaseException] = []
-        # The job's, for all its attempts (its ranks' snapshots); a started call brings its own.
-        secret = entry.started.secret if entry.started is not None else os.urandom(32)
-        while not job._stop_requested.is_set():
+        while not control.stop.is_set():
             try:
-                value = self._attempt(entry, plan, earlier, secret=secret)
+                value = self._attempt(entry, plan, earlier, context)
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
                 if cluster.lost_session(exc):  # its ranks ended with the session
                     self._box.pool = None
-                    job._finish(error=cluster.session_lost_error(exc))
+                    control.finish(error=cluster.session_lost_error(exc))
                     return
-                if isinstance(exc, StopRequested) or job._stop_requested.is_set():
+                if isinstance(exc, StopRequested) or control.stop.is_set():
                     self.release()
                     return
                 if restart.restartable(exc, options, len(earlier)):
                     earlier.append(exc)
-                    job._restarted(exc)
+                    control.restarted(exc)
                     try:
-                        replaced = self._repair(job._call, len(earlier), exc)
+                        replaced = self._repair(control.call, len(earlier), exc)
                         if replaced is None:
                             plan = None  # a whole new pool, laid out on the nodes alive now
                         else:
-                            job._replaced(replaced)
+                            control.replaced(replaced)
                     except PlacementTimeoutError as late:  # a lost node's ranks: no node
                         late.earlier_attempts = tuple(earlier)
-                        job._finish(error=late)
+                        control.finish(error=late)
                         return
                     continue
                 # Ranks may be stuck in a collective: replace the whole pool next time.
@@ -305,10 +311,24 @@ class Runner:
                 if earlier and isinstance(exc, OrchestratorError) and not exc.earlier_attempts:
                     # Not from a call (which names them itself): the pool's start failed.
                     exc.earlier_attempts = tuple(earlier)
-                job._finish(error=exc)
+                control.finish(error=exc)
                 return
-            job._finish(value)
+            control.finish(value)
             return
+
+    def _context(self, entry: _Entry) -> call.JobContext:
+        """What every attempt of the entry's job shares. Its output shows in its notebook
+        cell, or on the console, or nowhere where it is journaled (a detached job's
+        supervisor has no one to show it to; its followers do)."""
+        control = entry.control
+        return call.JobContext(
+            log_dir=control.job.log_dir,
+            sink=control.sink or (_nowhere if entry.journal is not None else None),
+            journal=entry.journal,
+            stop=control.stop,
+            # For all its attempts (its ranks' snapshots); a started call brings its own.
+            secret=entry.started.secret if entry.started is not None else os.urandom(32),
+        )
 
     def _repair(
         self, failed: call.Call | None, attempt: int, error: BaseException
@@ -329,45 +349,38 @@ class Runner:
         return None
 
     def _attempt(
-        self, entry: _Entry, plan: Plan | None, earlier: list[BaseException], *, secret: bytes
+        self,
+        entry: _Entry,
+        plan: Plan | None,
+        earlier: list[BaseException],
+        context: call.JobContext,
     ) -> list[Any]:
-        job, shipped, options = entry.job, entry.shipped, entry.options
+        control, shipped, options = entry.control, entry.shipped, entry.options
         if self.pool is not None and self.pool.session != cluster.session():
             self._box.pool = None  # its actors ended with an earlier Ray Client session
         if self.pool is None:
-            self._box.pool = self._start(job, plan or reserve.plan(options), shipped.uses_torch)
+            plan = plan or reserve.plan(options)
+            self._box.pool = self._start(control, plan, shipped.uses_torch)
         pool = self.pool
         assert pool is not None
         first = not earlier  # a started call is so at its first attempt alone
-        started, lend = (entry.started, entry.lend) if first else (None, None)
-        begin = self.hook.begin(pool, started, lend, job._stop_requested)
+        started = entry.started if first else None
+        begin = self.hook.begin(pool, started, entry.lend if first else None, control.stop)
         if isinstance(begin, Ended):
             pool.use_store(begin.next_port, close=False)
             return begin.values
-        attempt = call.Call(
-            pool,
-            shipped,
-            options,
-            log_dir=job.log_dir,
-            sink=job._cell.write if job._cell is not None else _sink(job),
-            journal=job._journal,
-            stop=job._stop_requested,
-            restart_count=len(earlier),
-            earlier=earlier,
-            job_secret=secret,
-            begin=begin,
-        )
-        job._attempt(attempt)
+        attempt = call.Call(pool, shipped, options, context, earlier=earlier, begin=begin)
+        control.running(attempt)
         return attempt.wait()
 
-    def _start(self, job: Job[Any], plan: Plan, uses_torch: bool) -> Pool:
+    def _start(self, control: JobControl, plan: Plan, uses_torch: bool) -> Pool:
         request, simulate = plan
         options = self.options
 
         def progress(phase: State, detail: str | None) -> None:
             if phase == State.PENDING:
                 _reclaim_idle(self.name)  # an idle warm pool of ours must not block a job
-            job._set_phase(phase, detail)
+            control.phase(phase, detail)
 
         return Pool(
             self.name,
@@ -378,15 +391,9 @@ class Runner:
             post_mortem=options.post_mortem,
             preload_torch=uses_torch,
             placement_timeout=options.placement_timeout,
-            stop=job._stop_requested,
+            stop=control.stop,
             on_phase=progress,
         )
-
-
-def _sink(job: Job[Any]) -> Callable[[str, str], None] | None:
-    """Where a job's shown lines go outside a notebook: the console, or nowhere for a job
-    whose output is journaled (its supervisor has no one to show it to; followers do)."""
-    return None if job._journal is None else _nowhere
 
 
 def _nowhere(stream: str, text: str) -> None:

@@ -54,7 +54,7 @@ HOLDERS: dict[str, Callable[[], object]] = {
     "Used": lambda: Used(b"call-id", SECRET),
     "Started": lambda: Started(b"call-id", SECRET, 29500),
     "Start": lambda: Start(SECRET),
-    "runner._Entry": lambda: _Entry(None, None, None, None, _call(), SECRET),  # type: ignore[arg-type]
+    "runner._Entry": lambda: _Entry(None, None, None, None, None, _call(), SECRET),  # type: ignore[arg-type]
     "PoolNode": lambda: PoolNode("node", (0, 1), _peers()),
     "RemoteNode": lambda: RemoteNode(None, (2, 3), _peers()),
     "Peer": lambda: Peer(0, "orchestrator-door", 1234, b"spec", key=SECRET),
