@@ -9,19 +9,17 @@ for.
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
-import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import ray
 import torch  # noqa: F401 - whole before any guard: its first import may run a subprocess
 from ray.cluster_utils import Cluster
 
-from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, NODES
+from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, NODES, starting_nothing
 
 RAY_FIXTURES = frozenset(
     {
@@ -86,31 +84,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: in-module order
 
 
-def _refuse(what: str, instead_of: Callable[..., object]) -> Callable[..., None]:
-    @functools.wraps(instead_of)  # its signature stays readable (compat checks read it)
-    def refuse(*_args: object, **_kwargs: object) -> None:
-        pytest.fail(
-            f"this test starts {what} but is not in the `ray` lane: ask for the `processes` "
-            f"fixture (or one of {', '.join(sorted(RAY_FIXTURES))})",
-            pytrace=False,
-        )
-
-    return refuse
-
-
 @pytest.fixture(autouse=True)
 def _pure_tests_start_nothing(request: pytest.FixtureRequest) -> Iterator[None]:
     """Outside the `ray` lane, starting Ray or a process fails the test."""
     if request.node.get_closest_marker("ray") is not None:
         yield
         return
-    with pytest.MonkeyPatch.context() as patch:
-        for owner, name, what in (
-            (subprocess.Popen, "__init__", "a subprocess"),
-            (os, "fork", "a process (fork)"),
-            (os, "posix_spawn", "a process (posix_spawn)"),
-            (ray, "init", "Ray (ray.init)"),
-            (Cluster, "__init__", "a Ray cluster"),
-        ):
-            patch.setattr(owner, name, _refuse(what, getattr(owner, name)))
+    lane = (
+        "but is not in the `ray` lane: ask for the `processes` fixture (or one of "
+        f"{', '.join(sorted(RAY_FIXTURES))})"
+    )
+    with starting_nothing(lane):
         yield

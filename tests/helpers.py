@@ -4,6 +4,7 @@ files, waiting for a condition. Not collected: it holds no tests."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shlex
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray.cluster_utils import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 180
@@ -70,6 +72,35 @@ def write(folder: Path, files: dict[str, str]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
     return folder
+
+
+_STARTS = (
+    (subprocess.Popen, "__init__", "a subprocess"),
+    (os, "fork", "a process (fork)"),
+    (os, "posix_spawn", "a process (posix_spawn)"),
+    (ray, "init", "Ray (ray.init)"),
+    (Cluster, "__init__", "a Ray cluster"),
+)
+"""What starts Ray or a process, and its name in a refusal."""
+
+
+@contextlib.contextmanager
+def starting_nothing(why: str) -> Iterator[None]:
+    """Within: starting Ray, a Ray cluster or any process fails the test ("this test starts
+    a subprocess " and `why` it must not)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, what in _STARTS:
+            refusal = _refuse(f"this test starts {what} {why}", getattr(owner, name))
+            patch.setattr(owner, name, refusal)
+        yield
+
+
+def _refuse(message: str, instead_of: Callable[..., object]) -> Callable[..., None]:
+    @functools.wraps(instead_of)  # its signature stays readable (compat checks read it)
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        pytest.fail(message, pytrace=False)
+
+    return refuse
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

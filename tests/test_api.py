@@ -212,7 +212,9 @@ def test_bad_arguments_name_the_value_and_what_is_valid(kwargs, fragment):
         distribute(len, **kwargs)
     assert fragment in str(info.value)
     assert isinstance(info.value, ValueError)
-    assert time.monotonic() - started < 1
+    # At once: this lane refuses a Ray start, and 10**12's divisors one by one would take
+    # hours (10 s: a loaded machine's room).
+    assert time.monotonic() - started < 10
 
 
 def test_a_runtime_env_plugin_s_fields_and_ray_s_own_spellings_pass():

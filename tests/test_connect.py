@@ -84,7 +84,7 @@ def test_an_address_where_no_ray_answers_fails_within_seconds(processes, tmp_pat
     lines = proc.stdout.splitlines()
     assert len(lines) == 7, proc.stdout + proc.stderr
     took = [float(line.split()[0]) for line in lines]
-    assert max(took) < 10, lines
+    assert max(took) < 30, lines  # seconds (the silent one's 5), where Ray's took minutes
     refused, silent, other, greeter, client, web, env = lines
     assert "address='127.0.0.1:1'" in refused and "Connection refused" in refused
     assert "did not answer within 5 s" in silent
@@ -106,7 +106,7 @@ def test_the_command_line_fails_fast_on_an_unreachable_address(processes, tmp_pa
          "1", "train.py"],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120, check=False,
     )
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 60  # no hang; the probe's words below: no Ray retries
     assert proc.returncode == 1, proc.stderr
     assert "no Ray cluster at" in proc.stderr and "127.0.0.1:1" in proc.stderr, proc.stderr
     assert "never" not in proc.stdout

@@ -82,7 +82,9 @@ def test_rank_exception_raised_at_once_and_pool_recovers(cluster, capfd):
     started = time.monotonic()
     with pytest.raises(ValueError, match="boom") as info:
         fn()
-    assert time.monotonic() - started < 30
+    # At once: not gloo's 30 minutes in the others' all_reduce (the pool starts too, slowly
+    # on a loaded machine).
+    assert time.monotonic() - started < 120
     err = info.value
     assert isinstance(err, DistributedError)
     assert err.root_cause.rank == 2
@@ -144,7 +146,7 @@ def test_crashed_rank_is_reported_as_a_crash(cluster, capfd, how):
     started = time.monotonic()
     with pytest.raises(DistributedError) as info:
         fn(how)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 40  # well before the other ranks' 60 s sleep ends
     assert info.value.root_cause.rank == 1
     assert info.value.root_cause.exc_type == "crash"
     text = str(info.value)

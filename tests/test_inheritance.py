@@ -92,17 +92,18 @@ def test_a_rank_inherits_what_a_torchrun_worker_does(fresh_env):
                 if child["signals"][name] != how
             }
             assert differ <= set(FATAL), (differ, child["signals"])
-            assert mine["fork_s"] < 0.5 and mine["loader_teardown_s"] < 0.5, mine
+            assert mine["fork_s"] < 3 and mine["loader_teardown_s"] < 3, mine  # see below
             # The script's own functions reach a pool's children, forked or spawned.
             assert mine["pool_map"] == {"fork": [4, 9], "spawn": [4, 9]}, mine["pool_map"]
 
 
 def test_forked_processes_exit_at_once_in_a_rank(cluster):
-    """A forked child used to wait 6 s in the rank's os._exit hook for a thread it lacks."""
+    """A forked child used to wait 6 s in the rank's os._exit hook for a thread it lacks
+    (3 s: half of it, and room for a loaded machine's slow forks)."""
     with distribute(facts, num_replicas=2, replicas_per_node=1, name="forks") as probe:
         for found in probe():
-            assert found["fork_s"] < 0.5, found
-            assert found["loader_teardown_s"] < 0.5, found
+            assert found["fork_s"] < 3, found
+            assert found["loader_teardown_s"] < 3, found
             forked = found["forked"]
             assert forked["signals"]["SIGTERM"] == "default", forked  # not Ray's handler
             assert forked["pipe_ends"] == 0, forked  # no end of the rank's capture pipes

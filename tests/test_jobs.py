@@ -94,7 +94,7 @@ def test_placement_timeout_cancel_pending_and_cancel_running(cluster):
     started = time.monotonic()
     with pytest.raises(PlacementTimeoutError, match=r"placement_timeout=2 s.*GPU") as info:
         late()
-    assert 1.5 <= time.monotonic() - started < 15
+    assert 1.5 <= time.monotonic() - started < 60  # it waited placement_timeout, then gave up
     assert isinstance(info.value, TimeoutError)
 
     # The cluster can never hold 3 GPUs on one node: at once, with each node's resources.
@@ -102,7 +102,7 @@ def test_placement_timeout_cancel_pending_and_cancel_running(cluster):
     started = time.monotonic()
     with pytest.raises(PlacementError, match=r"GPU: 2") as info:
         never.submit()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # at once: it waited for no placement
     assert str(info.value).count("GPU: 2") >= 2  # both nodes listed
 
     # A pending job withdraws its request when cancelled.

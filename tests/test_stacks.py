@@ -36,7 +36,9 @@ def test_timeout_shows_where_every_rank_is_blocked(cluster):
     started = time.monotonic()
     with pytest.raises(JobTimeoutError) as info:
         fn.with_options(timeout=5)()
-    assert time.monotonic() - started < 15
+    # The call's 5 s, not the function's 60 (the message below names it too); a loaded
+    # machine takes the stacks slowly (15 s failed at load 20).
+    assert time.monotonic() - started < 45
     err = info.value
     assert isinstance(err, TimeoutError)
     assert "dist.recv(buf, src=1)" in err.stacks[0]
