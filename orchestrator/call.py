@@ -136,7 +136,7 @@ class Call:
             )
             self.runs = self._start(spec, shipped.data, begin.lend)
         """The Ray tasks in flight that bring ranks' outcomes, and whose."""
-        self.output = CallOutput(pool, self.console)
+        self.output = CallOutput(pool.channels, pool.infos, self.console)
         self.next_port: int | None = None
         """The port rank 0 reserved for the next call's rendezvous store, once it returned."""
         self.store_open = False

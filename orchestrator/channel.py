@@ -10,7 +10,7 @@ A call's `CallOutput` makes the ranks' requests, takes in what they bring, and s
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,10 +19,9 @@ from ray.exceptions import RayActorError
 
 from orchestrator import crash
 from orchestrator.options import FOLD_FROM_RANKS
-from orchestrator_workers.protocol import EXIT_STREAM, STATE_STREAM, OutputChunk, unwire
+from orchestrator_workers.protocol import EXIT_STREAM, STATE_STREAM, NodeInfo, OutputChunk, unwire
 
 if TYPE_CHECKING:
-    from orchestrator.pool import Pool
     from orchestrator.show.logs import Console
 
 DRAIN_POLL_S = 30.0
@@ -73,17 +72,22 @@ class CallOutput:
     """One call's side of its ranks' output: the requests in flight, what they bring
     shown on `console`, and what each rank said of itself (its exit status, a debugger)."""
 
-    def __init__(self, pool: Pool, console: Console) -> None:
-        """Output of `pool`'s ranks, shown on `console`; every rank's request to be made."""
-        self.pool = pool
+    def __init__(
+        self, channels: Sequence[RankChannel], infos: Sequence[NodeInfo], console: Console
+    ) -> None:
+        """Output of the ranks whose `channels` these are (by rank), shown on `console`;
+        every rank's request to be made. `infos`: where each rank runs (a dead rank's last
+        words are read there)."""
+        self.channels = channels
+        self.infos = infos
         self.console = console
-        self.gather_s = gather_s(len(pool.actors))
+        self.gather_s = gather_s(len(channels))
         """How long each rank's output request gathers output once some comes."""
         self.shown_at = 0.0
         """When output was last taken in (ranks that print are then read every POLL_S)."""
         self.draining: dict[ray.ObjectRef, int] = {}
         """Each live rank's output request in flight: ref -> rank."""
-        self._undrained = set(range(len(pool.actors)))
+        self._undrained = set(range(len(channels)))
         """Ranks whose output request is to be made (or found, if one is in flight)."""
         self.dead: set[int] = set()
         """Ranks whose actor is gone."""
@@ -95,7 +99,7 @@ class CallOutput:
     def request(self) -> None:
         """Make the output requests still to be made (a rank's, once its last came back)."""
         for rank in self._undrained - self.dead:
-            self.draining[self.pool.channels[rank].request(self.gather_s)] = rank
+            self.draining[self.channels[rank].request(self.gather_s)] = rank
         self._undrained.clear()
 
     def printing(self, now: float) -> bool:
@@ -111,21 +115,21 @@ class CallOutput:
 
     def owes(self, owed: Mapping[int, int]) -> bool:
         """Whether output up to `owed` (rank -> seq) is still to come from a live rank."""
-        channels = self.pool.channels
+        channels = self.channels
         return any(channels[r].shown < seq for r, seq in owed.items() if r not in self.dead)
 
     def last_words(self, rank: int) -> str:
         """Show what dead `rank` wrote in its last instant (saved by its keeper); return it."""
         self.dead.add(rank)
-        channel = self.pool.channels[rank]
-        chunks = crash.last_words(self.pool.infos[rank], channel.shown)
+        channel = self.channels[rank]
+        chunks = crash.last_words(self.infos[rank], channel.shown)
         self.console.write(rank, chunks)
         channel.shown = max([channel.shown, *(chunk.seq for chunk in chunks)])
         return "".join(chunk.data.decode(errors="replace") for chunk in chunks)
 
     def _show(self, rank: int) -> None:
         try:
-            chunks = self.pool.channels[rank].take()
+            chunks = self.channels[rank].take()
         except RayActorError:
             self.dead.add(rank)
             return
