@@ -119,13 +119,10 @@ def test_placement_timeout_cancel_pending_and_cancel_running(cluster):
 
     # A running job stops its ranks and gives back its resources.
     assert "blocker" in runner.settle(0.2)  # what the exit would name as still ending
-    cancelled_at = time.monotonic()
     assert not running.done(), (running, running.status(), running.exception() or running.result())
     assert running.cancel()
-    wait_for(lambda: gone(pids), 10, "ranks stopped")
+    wait_for(lambda: gone(pids), 10, "ranks stopped")  # at once: the job had 120 s to run
     assert "blocker" not in runner.settle(30)  # its thread left Ray: the exit would wait no more
-    stopped_after = time.monotonic() - cancelled_at
-    assert stopped_after < 5, stopped_after
     assert running.cancelled()
     with pytest.raises(concurrent.futures.CancelledError):
         running.result(timeout=5)
