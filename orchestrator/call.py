@@ -47,8 +47,13 @@ prints, and at least this often, to see a stop (which kills the ranks: their run
 
 @dataclass(frozen=True)
 class JobContext:
-    """What every attempt of one job shares: where its output goes, its stop, its secret."""
+    """What every attempt of one job shares: its function, its options, where its output
+    goes, its stop and its secret."""
 
+    shipped: Shipment
+    """The function and its arguments, shipped (see `shipping.ship`)."""
+    options: Options
+    """The job's options: how its output is shown, its time limits."""
     log_dir: Path | None = None
     """Its per-rank log folder, one for all its attempts (None: no log files)."""
     sink: Callable[[str, str], None] | None = None
@@ -84,35 +89,33 @@ class Call:
     def __init__(
         self,
         pool: Pool,
-        shipped: Shipment,
-        options: Options,
         context: JobContext,
         *,
         earlier: Sequence[BaseException] = (),
         begin: Start | Collect = START,
     ) -> None:
-        """Start the shipped function (see `shipping.ship`) on every rank of `pool`, as an
-        attempt of the job whose `context` it takes.
+        """Start the job's function on every rank of `pool`, as an attempt of the job whose
+        `context` it takes.
 
-        Its output is shown as `options` say. `earlier`: the job's failed attempts, for
-        this one's error. `begin`: start the call (lending the token it names), or collect
-        one another process started (see hook).
+        `earlier`: the job's failed attempts, for this one's error. `begin`: start the call
+        (lending the token it names), or collect one another process started (see hook).
         """
         self.pool = pool
         self.console = Console(
             pool.name,
             len(pool.actors),
-            prefix=options.log_prefix,
-            show=options.log_ranks,
+            prefix=context.options.log_prefix,
+            show=context.options.log_ranks,
             log_dir=context.log_dir,
             sink=context.sink,
-            fold=options.fold_output,
+            fold=context.options.fold_output,
             journal=context.journal,
         )
         restart_count = len(earlier)
         if restart_count:
             attempt = f"attempt {restart_count + 1} (restart {restart_count})"
             self.console.mark_files(f"--- {attempt} ---")
+        options, shipped = context.options, context.shipped
         self.timeout = options.timeout
         self.stop = context.stop
         self.earlier = tuple(earlier)

@@ -10,14 +10,14 @@ import os
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 from typing_extensions import Unpack
 
 from orchestrator import runner, shipping
 from orchestrator.connect import cluster
-from orchestrator.job import Job, stop_all
-from orchestrator.logfiles import read_log
+from orchestrator.errors import BusyError
+from orchestrator.job import Job, Submission, stop_all
 from orchestrator.options import (
     DEFAULT_PREFIX,
     RETENTION_S,
@@ -28,10 +28,38 @@ from orchestrator.options import (
 from orchestrator.runner import Runner
 from orchestrator.show import messages, notebook
 from orchestrator.supervise.detached import Detached
-from orchestrator.supervise.follow import READ_WAIT_S, FollowedJob, stop_following
+from orchestrator.supervise.follow import stop_following
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+class Executor(Protocol):
+    """What runs a distributed function's calls: a `Runner` in this process, or a detached
+    function's `Detached` (its supervisor's, in the cluster)."""
+
+    @property
+    def last(self) -> Job[Any] | None:
+        """The job submitted last."""
+
+    @property
+    def current(self) -> Job[Any] | None:
+        """The job running now, if any."""
+
+    def busy_with(self) -> Job[Any] | None:
+        """The job that runs or waits on this function now, if any."""
+
+    def submit(self, call: Submission) -> Job[Any]:
+        """Queue `call`; its Job, at once."""
+
+    def interrupt(self, job: Job[Any]) -> KeyboardInterrupt:
+        """Ctrl-C while the caller waited for `job`: what becomes of it; what to raise."""
+
+    def pids(self) -> list[int]:
+        """Process ids of the warm pool's ranks, by rank (empty while it has none)."""
+
+    def shutdown(self) -> None:
+        """Release what it holds (see `DistributedFunction.shutdown`)."""
 
 
 class DistributedFunction(Generic[P, R]):
@@ -41,7 +69,7 @@ class DistributedFunction(Generic[P, R]):
         """Wrap `fn`; use `distribute()` rather than this constructor."""
         self.fn = fn
         self.options = options
-        self._runner: Runner | Detached = (
+        self._runner: Executor = (
             Detached(options.job_name, options)
             if options.detach
             else Runner(options.job_name, options)
@@ -64,17 +92,7 @@ class DistributedFunction(Generic[P, R]):
         try:
             return job.result()
         except KeyboardInterrupt:
-            if isinstance(job, FollowedJob):
-                job.unfollow()
-                raise KeyboardInterrupt(
-                    f"stopped following job {job.id}; it runs on in the cluster: "
-                    f"orchestrator.get_job({job.id!r}) gets it back, job.cancel() stops it"
-                ) from None
-            job.cancel()
-            raise KeyboardInterrupt(
-                f"interrupted: all {self.options.num_replicas} ranks of {self.name} were "
-                "stopped; the next call starts fresh ones"
-            ) from None
+            raise self._runner.interrupt(job) from None
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> Job[R]:
         """Start `fn(*args, **kwargs)` on every rank and return at once with its Job.
@@ -94,12 +112,13 @@ class DistributedFunction(Generic[P, R]):
         waits: bool = False,
     ) -> Job[R]:
         """Submit the call; `waits`: the caller waits for its result at once."""
+        busy = self._runner.busy_with()
+        if busy is not None and not self.options.queue:  # before the payload is pickled
+            raise BusyError.still_running(self.name, busy)
+        payload, uses_torch = shipping.pack(self.fn, args, kwargs)
         # The pool lives while a job of it is not done: the job keeps this function alive.
-        detached = isinstance(self._runner, Detached)  # its first read goes with the submit
-        more = {"first_wait_s": READ_WAIT_S} if waits and detached else {}
-        job: Job[R] = self._runner.submit(
-            self.fn, args, kwargs, self.options, owner=self, in_cell=show_in_cell, **more
-        )
+        call = Submission(payload, uses_torch, self.options, self, show_in_cell, waits)
+        job: Job[R] = self._runner.submit(call)
         if job._cell is not None:
             job._cell.tick_while(lambda: not job.done())  # the elapsed times move on
         return job
@@ -122,18 +141,13 @@ class DistributedFunction(Generic[P, R]):
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during the last call."""
         last = self._runner.last
-        if isinstance(last, FollowedJob):
-            return last.logs(rank)
-        if self.log_dir is None:
+        if last is None:
             raise FileNotFoundError(f"{self.name} has kept no log files yet")
-        return read_log(self.log_dir, rank)
+        return last.logs(rank)
 
     def pids(self) -> list[int]:
         """Process ids of the warm pool's ranks, by rank (empty before the first call)."""
-        if isinstance(self._runner, Detached):
-            return self._runner.pids()
-        pool = self._runner.pool
-        return pool.pids() if pool else []
+        return self._runner.pids()
 
     def shutdown(self) -> None:
         """Cancel its queued and running calls, stop every rank's actor, release resources."""

@@ -23,8 +23,10 @@ from orchestrator_workers.states import State
 
 if TYPE_CHECKING:
     from orchestrator.call import Call
+    from orchestrator.options import Options
+    from orchestrator.shipping import Shipment
     from orchestrator.view import CallView
-    from orchestrator_workers.protocol import RankFailure
+    from orchestrator_workers.protocol import Payload, RankFailure
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -79,6 +81,26 @@ class JobStatus:
             ranks = states_line((r.rank, r.state) for r in self.ranks)
         text = f"{self.name}: {self.state}{detail}{restarts} ({ranks})"
         return f"{text}\n{self.stall}" if self.stall else text
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A call of a distributed function as its executor takes it, to make its `Job`."""
+
+    payload: Payload | Shipment
+    """The function and its arguments, packed (see `shipping.pack`); or shipped already,
+    where another process started the call (see `hook.Started`)."""
+    uses_torch: bool
+    """Whether the function refers to torch (see `shipping.pack`)."""
+    options: Options
+    """The call's options."""
+    owner: Any = None
+    """Kept alive until the job is done (the distributed function, and so its pool)."""
+    in_cell: bool = False
+    """The job is shown in the submitting notebook cell."""
+    waits: bool = False
+    """The caller waits for its result at once (a detached call's first read then goes
+    with its submit)."""
 
 
 class Job(Future[list[R]]):

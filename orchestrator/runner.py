@@ -13,7 +13,6 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ from orchestrator import call, logfiles, reserve, restart, shipping
 from orchestrator.connect import cluster
 from orchestrator.errors import BusyError, OrchestratorError, PlacementTimeoutError, StopRequested
 from orchestrator.hook import Ended, RunFirst, RunnerHook, Started
-from orchestrator.job import Job, JobControl
+from orchestrator.job import Job, JobControl, Submission
 from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.reserve import Plan
@@ -31,7 +30,6 @@ from orchestrator.shipping import Shipment
 from orchestrator.show import messages
 from orchestrator.show.logs import Journaling
 from orchestrator_workers import environment
-from orchestrator_workers.protocol import Payload
 from orchestrator_workers.states import State
 
 
@@ -109,53 +107,36 @@ class Runner:
 
     def submit(
         self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        options: Options,
+        call: Submission,
         *,
-        owner: Any = None,
-        in_cell: bool = False,
-    ) -> Job[Any]:
-        """Queue `fn(*args, **kwargs)` with these per-call `options`; its Job, at once.
-
-        In the caller's thread: BusyError (queue=False), pickling, connecting and an
-        impossible request fail here, before anything is queued.
-        """
-        self._refuse_if_busy(options)  # before the payload is pickled, too
-        payload, uses_torch = shipping.pack(fn, args, kwargs)
-        return self.submit_packed(payload, uses_torch, options, owner=owner, in_cell=in_cell)
-
-    def submit_packed(
-        self,
-        payload: Payload | Shipment,
-        uses_torch: bool,
-        options: Options,
-        *,
-        owner: Any = None,
-        in_cell: bool = False,
         journal: Journaling | None = None,
         started: Started | None = None,
         lend: bytes | None = None,
     ) -> Job[Any]:
-        """Queue a call packed already (`shipping.pack`, or shipped), as `submit` does; its
-        Job.
+        """Queue `call`; its Job, at once.
 
-        `journal`: where the job's output is recorded too (a detached job's supervisor);
-        `started`, `lend`: see `_Entry`.
+        In the caller's thread: BusyError (queue=False), shipping, connecting and an
+        impossible request fail here, before anything is queued. `journal`: where the
+        job's output is recorded too (a detached job's supervisor); `started`, `lend`:
+        see `_Entry`.
         """
+        options = call.options
         self._refuse_if_busy(options)
         plan = None if self.pool is not None else reserve.plan(options)
         # Now, before returning: the arguments' big tensors are pickled by reference, so a
         # caller changing them after submit() must not change what the ranks get.
-        shipped = payload if isinstance(payload, Shipment) else shipping.ship(
-            payload, uses_torch=uses_torch
-        )
+        shipped = call.payload
+        if not isinstance(shipped, Shipment):
+            shipped = shipping.ship(shipped, uses_torch=call.uses_torch)
         folder = options.log_folder
         log_dir = logfiles.call_folder(folder, self.name) if folder is not None else None
         job: Job[Any] = Job(
-            self.name, options.num_replicas, self.stop, log_dir=log_dir, in_cell=in_cell,
-            owner=owner,
+            self.name,
+            options.num_replicas,
+            self.stop,
+            log_dir=log_dir,
+            in_cell=call.in_cell,
+            owner=call.owner,
         )
         control = JobControl(job)
         with self._lock:
@@ -207,6 +188,19 @@ class Runner:
     def release(self) -> None:
         """Stop the warm pool's actors and give back its resources."""
         self._box.release()
+
+    def pids(self) -> list[int]:
+        """Process ids of the warm pool's ranks, by rank (empty while it has none)."""
+        pool = self.pool
+        return pool.pids() if pool is not None else []
+
+    def interrupt(self, job: Job[Any]) -> KeyboardInterrupt:
+        """Ctrl-C while the caller waited for `job`: its ranks are stopped; what to raise."""
+        job.cancel()
+        return KeyboardInterrupt(
+            f"interrupted: all {self.options.num_replicas} ranks of {self.name} were "
+            "stopped; the next call starts fresh ones"
+        )
 
     def shutdown(self) -> None:
         """Cancel every queued and running job, then release the pool."""
@@ -322,6 +316,8 @@ class Runner:
         supervisor has no one to show it to; its followers do)."""
         control = entry.control
         return call.JobContext(
+            entry.shipped,
+            entry.options,
             log_dir=control.job.log_dir,
             sink=control.sink or (_nowhere if entry.journal is not None else None),
             journal=entry.journal,
@@ -369,7 +365,7 @@ class Runner:
         if isinstance(begin, Ended):
             pool.use_store(begin.next_port, close=False)
             return begin.values
-        attempt = call.Call(pool, shipped, options, context, earlier=earlier, begin=begin)
+        attempt = call.Call(pool, context, earlier=earlier, begin=begin)
         control.running(attempt)
         return attempt.wait()
 

@@ -15,6 +15,7 @@ from orchestrator.diagnose import straggle
 from orchestrator.function import DistributedFunction
 from orchestrator.job import Job
 from orchestrator.pool import Pool
+from orchestrator.runner import Runner
 from orchestrator.supervise.detached import Detached
 from orchestrator.supervise.follow import FollowedJob
 from orchestrator.view import CallView
@@ -22,7 +23,8 @@ from orchestrator.view import CallView
 
 def pool(fn: DistributedFunction[..., Any]) -> Pool | None:
     """`fn`'s warm pool of rank actors, if one runs."""
-    return fn._runner.pool
+    runner = fn._runner
+    return runner.pool if isinstance(runner, Runner) else None
 
 
 def lent(fn: DistributedFunction[..., Any]) -> bool:

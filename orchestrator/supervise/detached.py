@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -25,11 +24,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator import shipping
 from orchestrator.connect import cluster, discovery, local, rankside
-from orchestrator.errors import BusyError, ConfigError, SupervisorEndedError
+from orchestrator.errors import ConfigError, SupervisorEndedError
+from orchestrator.job import Job, Submission
 from orchestrator.options import Options
 from orchestrator.show import messages
 from orchestrator.supervise import direct, registry
-from orchestrator.supervise.follow import PAGE_ENTRIES, FollowedJob, how_to_get_back
+from orchestrator.supervise.follow import PAGE_ENTRIES, READ_WAIT_S, FollowedJob, how_to_get_back
 from orchestrator.supervise.journal import Page
 from orchestrator.supervise.link import ASK_TIMEOUT_S
 from orchestrator.supervise.supervisor import (
@@ -64,30 +64,24 @@ class Detached:
         self._lock = threading.Lock()
         self.last: FollowedJob[Any] | None = None
         self.current: FollowedJob[Any] | None = None
-        self.pool = None
-        """Always None: the warm pool lives in the supervisor."""
         self._holder = direct.Holder()
 
-    def submit(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        options: Options,
-        *,
-        owner: Any = None,
-        in_cell: bool = False,
-        first_wait_s: float = 0.0,
-    ) -> FollowedJob[Any]:
-        """Send `fn(*args, **kwargs)` to the supervisor; its FollowedJob, once accepted.
+    def busy_with(self) -> FollowedJob[Any] | None:
+        """The job of this function this process submitted last, while it runs or waits."""
+        last = self.last
+        return last if last is not None and not last.done() else None
 
-        `first_wait_s`: how long the supervisor may wait for the job's first output or end
-        before it answers (a caller that waits for the result: a short call then costs one
-        Ray call, not a submit and a read); 0 answers as soon as the job is queued.
+    def submit(self, call: Submission) -> FollowedJob[Any]:
+        """Send `call` to the supervisor; its FollowedJob, once accepted.
+
+        Where the caller waits for the result (`call.waits`), the supervisor may wait for
+        the job's first output or end before it answers (a short call then costs one Ray
+        call, not a submit and a read); else it answers as soon as the job is queued.
         """
-        if self.last is not None and not self.last.done() and not options.queue:
-            raise BusyError.still_running(self.name, self.last)
-        payload, uses_torch = shipping.pack(fn, args, kwargs)
+        payload, uses_torch, options = call.payload, call.uses_torch, call.options
+        assert isinstance(payload, Payload), "a driver's call comes packed, not shipped"
+        first_wait_s = READ_WAIT_S if call.waits else 0.0
+        owner, in_cell = call.owner, call.in_cell
         loan = self._loan(payload, first_wait_s)
         if loan is not None:
             done = self._call_directly(payload, uses_torch, options, loan, first_wait_s,
@@ -116,6 +110,16 @@ class Detached:
             raise refused
         self._holder.keep(loan)
         return self._followed(record, handle, (page, outcome), owner, in_cell)
+
+    def interrupt(self, job: Job[Any]) -> KeyboardInterrupt:
+        """Ctrl-C while the caller waited for `job`: it is followed here no more, and runs on
+        in the cluster; what to raise."""
+        assert isinstance(job, FollowedJob)
+        job.unfollow()
+        return KeyboardInterrupt(
+            f"stopped following job {job.id}; it runs on in the cluster: "
+            f"orchestrator.get_job({job.id!r}) gets it back, job.cancel() stops it"
+        )
 
     def _followed(
         self, record: registry.JobRecord, handle: Any, first: Any, owner: Any, in_cell: bool

@@ -25,7 +25,7 @@ import ray
 
 from orchestrator.connect import bootstrap, local
 from orchestrator.errors import SupervisorEndedError
-from orchestrator.job import Job, JobStatus
+from orchestrator.job import Job, JobStatus, Submission
 from orchestrator.options import Options
 from orchestrator.runner import Runner
 from orchestrator.shipping import Shipment
@@ -207,9 +207,8 @@ class Supervisor:
             self._submitting += 1
         try:
             journal = Journal(options.num_replicas)
-            job = self._runner.submit_packed(
-                payload, uses_torch, options, journal=journal, started=call, lend=lend
-            )
+            submission = Submission(payload, uses_torch, options)
+            job = self._runner.submit(submission, journal=journal, started=call, lend=lend)
             mine = call is not None
             job.add_done_callback(lambda _: self._publisher.ended(job_id, driver_call=mine))
             job.add_done_callback(lambda _: journal.close())  # after its last output is in
