@@ -20,6 +20,7 @@ from orchestrator import crash, shipping
 from orchestrator.channel import POLL_S, CallOutput
 from orchestrator.connect import cluster
 from orchestrator.diagnose.monitor import Monitor
+from orchestrator.dispatch import Awaited, call_spec
 from orchestrator.errors import (
     JobTimeoutError,
     StallError,
@@ -35,7 +36,7 @@ from orchestrator.show import messages
 from orchestrator.show.logs import Console, Journaling
 from orchestrator.show.status import StatusLine
 from orchestrator.view import CallView, snapshot
-from orchestrator_workers.protocol import CallSpec, Collected, Lease, RankFailure, RankResult
+from orchestrator_workers.protocol import Collected, RankFailure, RankResult
 from orchestrator_workers.states import State
 
 _GATHER_S = 0.3
@@ -65,16 +66,6 @@ class JobContext:
     """Set once the job is stopped: its ranks are killed, and its call raises StopRequested."""
     secret: bytes = field(default=b"", repr=False)
     """The same for all its attempts: its ranks' snapshots prove it (see snapshot)."""
-
-
-@dataclass(frozen=True)
-class Awaited:
-    """The ranks whose outcomes one Ray task in flight brings."""
-
-    ranks: tuple[int, ...]
-    leader: int | None = None
-    """The rank whose actor handed the call to `ranks` (see handoff); None for a rank's
-    own task."""
 
 
 class Call:
@@ -137,7 +128,7 @@ class Call:
                 job_secret=context.secret,
                 restart_count=restart_count,
             )
-            self.runs = self._start(spec, shipped.data, begin.lend)
+            self.runs = pool.routes.start(self.call_id, spec, shipped.data, begin.lend)
         """The Ray tasks in flight that bring ranks' outcomes, and whose."""
         self.output = CallOutput(pool.channels, pool.infos, self.console)
         self.next_port: int | None = None
@@ -155,32 +146,6 @@ class Call:
         self.monitor = None if after is None else Monitor(pool, started, after, on_stall)
         quiet = context.sink is not None  # a notebook cell shows the ranks' table instead
         self.status = None if quiet else StatusLine(pool.name, len(pool.actors), started, self.view)
-
-    def _start(
-        self, packed_call: bytes, data: bytes | ray.ObjectRef, lend: bytes | None
-    ) -> dict[Any, Awaited]:
-        """Start the call on every rank. A small payload is handed off (see handoff): one
-        Ray task to each node's first rank, or on many nodes to rank 0, which calls the
-        others. Each node's first rank lends `lend` (see `hook.Start`). A large one goes in
-        one Ray task per rank, each of which reads it from the object store in place."""
-        pool = self.pool
-        if pool.handoff and isinstance(data, bytes) and pool.others:  # rank 0 calls the nodes
-            first = pool.nodes[0]
-            args = (self.call_id, packed_call, data, first.peers, pool.others_for_call())
-            ref = _run_node(pool.actors[first.ranks[0]], args, lend)
-            return {ref: Awaited(tuple(range(len(pool.actors))), first.ranks[0])}
-        if pool.handoff and isinstance(data, bytes):  # the driver calls each node's first rank
-            runs = {}
-            for node in pool.nodes:
-                args = (self.call_id, packed_call, data, node.peers, ())
-                ref = _run_node(pool.actors[node.ranks[0]], args, lend)
-                runs[ref] = Awaited(node.ranks, node.ranks[0])
-            return runs
-        specs = zip(pool.actors, pool.packed_specs, strict=True)
-        return {
-            actor.run.remote(packed, packed_call, data): Awaited((rank,))
-            for rank, (actor, packed) in enumerate(specs)
-        }
 
     def wait(self) -> list[Any]:
         """Watch every rank until all are done or one failed; results by rank.
@@ -269,7 +234,7 @@ class Call:
         """
         output = self.output
         runs, draining = list(self.runs), list(output.draining)
-        per_rank = len(runs) > len(self.pool.nodes)
+        per_rank = len(runs) > len(self.pool.routes.nodes)
         if not runs or not (per_rank or output.printing(time.monotonic())):
             timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
             ready = _ready(runs + draining, timeout, more_of=runs)  # output: the next pass
@@ -315,7 +280,7 @@ class Call:
 
     def _forget_buffers(self) -> None:
         """After a failed call's ranks were told to stop: remove what they left in /dev/shm."""
-        nodes = [node.node_id for node in self.pool.nodes]
+        nodes = [node.node_id for node in self.pool.routes.nodes]
         shipping.forget_buffers(self.share_key, nodes, list(self.runs))
 
     def _busy(self) -> bool:
@@ -401,39 +366,6 @@ class Call:
         if stall is None:
             raise JobTimeoutError(after_s, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
         raise StallError(after_s, stall, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
-
-
-def call_spec(
-    options: Options,
-    shipped: Shipment,
-    *,
-    gpus: bool,
-    port: int,
-    share_key: str,
-    job_secret: bytes,
-    restart_count: int = 0,
-) -> bytes:
-    """What a call adds to every rank's RankSpec (a CallSpec), pickled once for all: the
-    one rule, for a call started by a runner or by a detached function's driver. `gpus`:
-    the ranks have GPUs (they load torch); `port`: rank 0's store's."""
-    spec = CallSpec(
-        master_port=port,
-        restart_count=restart_count,
-        max_restarts=options.max_restarts,
-        share_key=share_key,
-        uses_torch=shipped.uses_torch or gpus,
-        watched=options.stall_after is not None,
-        job_secret=job_secret,
-    )
-    return pickle.dumps(spec, pickle.HIGHEST_PROTOCOL)
-
-
-def _run_node(actor: Any, args: tuple[Any, ...], lend: bytes | None) -> ray.ObjectRef:
-    """`actor`'s `run_node(*args)`, lending `lend` where there is one to lend (else the
-    start carries no lease at all: nothing more to send)."""
-    if lend is None:
-        return actor.run_node.remote(*args)
-    return actor.run_node.remote(*args, lease=Lease(None, lend))
 
 
 def _ready(

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -20,12 +18,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator import _ray_compat, crash, placement, reserve, shipping
 from orchestrator.channel import RankChannel, rank_stacks
 from orchestrator.connect import cluster, local, rankside
+from orchestrator.dispatch import Routes
 from orchestrator.errors import StopRequested, describe_rank
 from orchestrator.placement import Request
 from orchestrator.show import notices
-from orchestrator_workers import environment, handoff
+from orchestrator_workers import environment
 from orchestrator_workers.environment import order_devices
-from orchestrator_workers.protocol import NodeInfo, Peer, RankSpec, RemoteNode, unwire
+from orchestrator_workers.protocol import NodeInfo, RankSpec, unwire
 from orchestrator_workers.states import State
 
 ACTOR_NAMESPACE = "orchestrator"
@@ -47,18 +46,6 @@ def parse_actor_name(name: str) -> tuple[str, str, int] | None:
     if match is None:
         return None
     return match["job"], match["pool"], int(match["rank"])
-
-
-@dataclass(frozen=True)
-class PoolNode:
-    """The ranks of one Ray node, as a call reaches them (see handoff)."""
-
-    node_id: str
-    """Ray's id of the node."""
-    ranks: tuple[int, ...]
-    """The first one hands the call to the others (and to itself)."""
-    peers: bytes = field(repr=False)
-    """Every rank's Peer, pickled once for every call (their doors' keys: never shown)."""
 
 
 class Pool:
@@ -96,15 +83,8 @@ class Pool:
         """Each rank's place in the job; a call adds its own half (a CallSpec)."""
         self.packed_specs: list[bytes] = []
         """`specs`, pickled once for every call."""
-        self.nodes: list[PoolNode] = []
-        """The ranks by node, for calls handed off (the first rank 0's)."""
-        self.others: tuple[RemoteNode, ...] = ()
-        """The nodes after the first, where rank 0 hands each call to them (on many nodes:
-        see handoff.TREE_NODES); none where the driver calls each node's first rank."""
-        self._others_sent = False
-        self.handoff = False
-        """Whether a call with a small payload goes to each node's first rank, which hands
-        it to the others (else one Ray task per rank)."""
+        self.routes = Routes([], [], [])
+        """How a call reaches the ranks (made once they are known)."""
         self.store_port = 0
         """The port of the rendezvous store rank 0 serves for the next call."""
         self._stop = stop or threading.Event()
@@ -283,39 +263,7 @@ class Pool:
             workdir=self._workdir,
         )
         self.packed_specs = [pickle.dumps(spec, pickle.HIGHEST_PROTOCOL) for spec in self.specs]
-        by_node: dict[str, list[int]] = {}
-        for rank, info in enumerate(self.infos):
-            by_node.setdefault(info.node_id, []).append(rank)
-        self.nodes = [
-            PoolNode(node_id, tuple(ranks), handoff.pack_peers([self._peer(r) for r in ranks]))
-            for node_id, ranks in by_node.items()
-        ]
-        tree = int(os.environ.get(handoff.TREE, handoff.TREE_NODES))
-        self.others = ()
-        # Not through Ray Client: its server, which may lack this package, would pass them.
-        if len(self.nodes) >= tree and not cluster.through_ray_client():
-            self.others = tuple(
-                RemoteNode(self.actors[node.ranks[0]], node.ranks, node.peers)
-                for node in self.nodes[1:]
-            )
-        self._others_sent = False
-        self.handoff = os.environ.get(handoff.SWITCH, "1") != "0" and all(
-            info.door for info in self.infos
-        )
-
-    def others_for_call(self) -> tuple[RemoteNode, ...] | None:
-        """`others`, for rank 0, with the first call since they changed; None after that
-        (rank 0 keeps them: actor handles cost the driver to send)."""
-        if self._others_sent:
-            return None
-        self._others_sent = True
-        return self.others
-
-    def _peer(self, rank: int) -> Peer:
-        info = self.infos[rank]
-        return Peer(
-            rank=rank, door=info.door, pid=info.pid, spec=self.packed_specs[rank], key=info.door_key
-        )
+        self.routes = Routes(self.actors, self.infos, self.packed_specs)
 
     def use_store(self, port: int | None, *, close: bool) -> None:
         """After a call: rank 0 reserved `port` for the next call's store; `close`: its

@@ -64,7 +64,7 @@ def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd, monke
     fn = distribute(crash_once, num_replicas=4, replicas_per_node=2, max_restarts=2, name="ft")
     job = fn.submit(str(tmp_path), dead)
     results = job.result(timeout=180)
-    assert bool(testing.pool(fn).others) == tree  # calls went through rank 0, or not
+    assert bool(testing.pool(fn).routes.others) == tree  # calls went through rank 0, or not
     assert [(a, node, total) for a, node, _, total in results] == [
         ("1", "0", 4.0), ("1", "0", 4.0), ("1", "1", 4.0), ("1", "1", 4.0),
     ]

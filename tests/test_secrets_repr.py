@@ -14,8 +14,8 @@ import pytest
 
 import orchestrator
 import orchestrator_workers
+from orchestrator.dispatch import PoolNode
 from orchestrator.hook import Start, Started
-from orchestrator.pool import PoolNode
 from orchestrator.runner import _Entry
 from orchestrator.supervise import direct
 from orchestrator_workers.protocol import (

@@ -39,7 +39,7 @@ import cloudpickle
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from orchestrator.call import call_spec
+from orchestrator.dispatch import call_spec
 from orchestrator.hook import Started
 from orchestrator.options import Options
 from orchestrator.shipping import Shipment

@@ -31,11 +31,6 @@ KEPT = 64
 """Drivers' words, and calls a revoke found holding the ranks, kept (the newest)."""
 
 
-def can_lend(pool: Pool) -> bool:
-    """Whether a driver may start calls on `pool` itself: rank 0 alone starts them."""
-    return pool.handoff and (len(pool.nodes) == 1 or bool(pool.others))
-
-
 def pool_id(pool: Pool) -> str:
     """The pool's identity for a loan: its rank 0's door (a random name, one per actor)."""
     return pool.infos[0].door
@@ -111,7 +106,8 @@ class Lending(RunnerHook):
                 return Collect(mine)
         while (used := self.revoke(pool)) is not None:  # and any call that took one ends
             self.missed(pool, used.call_id)
-        self.outstanding = lend if can_lend(pool) else None
+        # A driver starts its calls at rank 0 alone.
+        self.outstanding = lend if pool.routes.from_rank0 else None
         return Start(self.outstanding)
 
     def may_release(self, pool: Pool) -> bool:
