@@ -9,8 +9,15 @@ from __future__ import annotations
 from ray.exceptions import RayActorError
 
 from orchestrator.call import Call
-from orchestrator.errors import CRASH, DistributedError, JobTimeoutError, is_secondary
+from orchestrator.errors import (
+    CRASH,
+    DistributedError,
+    JobTimeoutError,
+    PlacementTimeoutError,
+    is_secondary,
+)
 from orchestrator.options import Options
+from orchestrator.pool import Pool
 
 SETTLE_S = 5.0
 """Before a restart, how long ranks still running may take to return (else: stuck). A gloo
@@ -31,13 +38,27 @@ def restartable(error: BaseException, options: Options, restarts: int) -> bool:
     return options.restart_on == "any" or (root is not None and root.exc_type == CRASH)
 
 
-def repair(call: Call, attempt: int, error: BaseException) -> set[int] | None:
-    """Replace `call`'s broken ranks in its pool for attempt number `attempt`: the ranks
-    replaced; None where the whole pool must go instead.
-
-    Ranks still running may first take SETTLE_S to return (a peer's death reaches gloo
-    ranks in moments); none after a timeout, where they are all stuck.
+def repair(
+    call: Call | None, pool: Pool | None, attempt: int, error: BaseException
+) -> set[int] | None:
+    """Replace failed `call`'s broken ranks in `pool` for attempt number `attempt`: the
+    ranks replaced; None where the whole pool must go instead (the call ran on another
+    pool, or none; or anything went amiss, a stop too). PlacementTimeoutError: no node
+    for a lost node's ranks.
     """
+    if call is None or call.pool is not pool:
+        return None
+    try:
+        return _repair(call, attempt, error)
+    except PlacementTimeoutError:
+        raise
+    except Exception:  # noqa: BLE001 - anything amiss: a whole new pool
+        return None
+
+
+def _repair(call: Call, attempt: int, error: BaseException) -> set[int] | None:
+    """Ranks still running may first take SETTLE_S to return (a peer's death reaches gloo
+    ranks in moments); none after a timeout, where they are all stuck."""
     if isinstance(error, JobTimeoutError):
         broken = settle(call, 0.0)
     else:

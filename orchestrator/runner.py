@@ -290,15 +290,17 @@ class Runner:
                     earlier.append(exc)
                     control.restarted(exc)
                     try:
-                        replaced = self._repair(control.call, len(earlier), exc)
-                        if replaced is None:
-                            plan = None  # a whole new pool, laid out on the nodes alive now
-                        else:
-                            control.replaced(replaced)
+                        replaced = restart.repair(control.call, self.pool, len(earlier), exc)
                     except PlacementTimeoutError as late:  # a lost node's ranks: no node
+                        self.release()
                         late.earlier_attempts = tuple(earlier)
                         control.finish(error=late)
                         return
+                    if replaced is None:
+                        self.release()
+                        plan = None  # a whole new pool, laid out on the nodes alive now
+                    else:
+                        control.replaced(replaced)
                     continue
                 # Ranks may be stuck in a collective: replace the whole pool next time.
                 self.release()
@@ -325,24 +327,6 @@ class Runner:
             # For all its attempts (its ranks' snapshots); a started call brings its own.
             secret=entry.started.secret if entry.started is not None else os.urandom(32),
         )
-
-    def _repair(
-        self, failed: call.Call | None, attempt: int, error: BaseException
-    ) -> set[int] | None:
-        """Replace only the failed call's broken ranks: those; None: the whole pool was
-        released."""
-        try:
-            if failed is not None and failed.pool is self.pool:
-                replaced = restart.repair(failed, attempt, error)
-                if replaced is not None:
-                    return replaced
-        except PlacementTimeoutError:  # no node for a lost node's ranks: said as it is
-            self.release()
-            raise
-        except Exception:  # noqa: BLE001, S110 - anything amiss (a stop too): a whole new pool
-            pass
-        self.release()
-        return None
 
     def _attempt(
         self,
