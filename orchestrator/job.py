@@ -32,9 +32,6 @@ R = TypeVar("R")
 T = TypeVar("T")
 P = ParamSpec("P")
 
-QUEUED, PENDING, STARTING, RUNNING = State.QUEUED, State.PENDING, State.STARTING, State.RUNNING
-FINISHED, FAILED, CANCELLED, STOPPED = State.FINISHED, State.FAILED, State.CANCELLED, State.STOPPED
-
 
 @dataclass(frozen=True)
 class RankStatus:
@@ -144,7 +141,7 @@ class Job(Future[list[R]]):
         self._error: BaseException | None = None
         self._ran: list[float] = []
         """When its ranks started running, and when it ended (time.monotonic())."""
-        self._phase = QUEUED
+        self._phase = State.QUEUED
         self._waiting_for: str | None = None
         self._failed_attempts: list[str] = []
         if in_cell:  # last: it draws the table at once
@@ -171,12 +168,12 @@ class Job(Future[list[R]]):
             return False
         self.set_running_or_notify_cancel()  # concurrent.futures.wait() and as_completed
         self._discard()
-        self._show(CANCELLED)
+        self._show(State.CANCELLED)
         return True
 
     def running(self) -> bool:
         """Whether the job's ranks are starting or running (not waiting, not done)."""
-        return not self.done() and self._phase in (STARTING, RUNNING)
+        return not self.done() and self._phase in (State.STARTING, State.RUNNING)
 
     def status(self) -> JobStatus:
         """The job's state, each rank's state, and while pending what it waits for."""
@@ -185,27 +182,27 @@ class Job(Future[list[R]]):
     def _now(self) -> tuple[State, CallView | None]:
         """The job's phase, and its running (or last) attempt's call as it is now, once
         its ranks started."""
-        phase = CANCELLED if self.cancelled() else self._phase
+        phase = State.CANCELLED if self.cancelled() else self._phase
         call = self._call
-        return phase, call.view(stopped=phase != RUNNING) if call is not None else None
+        return phase, call.view(stopped=phase != State.RUNNING) if call is not None else None
 
     def _status(self, phase: State, view: CallView | None) -> JobStatus:
         ranks = []
-        ran = phase in (RUNNING, FINISHED, FAILED, CANCELLED)
+        ran = phase in (State.RUNNING, State.FINISHED, State.FAILED, State.CANCELLED)
         for rank in range(self.num_ranks):
             seen = view.ranks[rank] if view is not None else None
             state = seen.state if seen is not None and ran else phase
             node_ip, pid = (seen.node_ip, seen.pid) if seen is not None else (None, None)
             ranks.append(RankStatus(rank, state, node_ip, pid))
-        waiting = self._waiting_for if phase == PENDING else None
+        waiting = self._waiting_for if phase == State.PENDING else None
         stopped = [r.rank for r in ranks if r.state == State.WAITING]
-        if stopped and phase == RUNNING:
+        if stopped and phase == State.RUNNING:
             which = f"ranks {rank_label(stopped)} wait"
             if len(stopped) == 1:
                 which = f"rank {stopped[0]} waits"
             waiting = f"{which} for a debugger (the attach command is in the output)"
         attempts = tuple(self._failed_attempts)
-        report = view.stall if view is not None and phase == RUNNING else None
+        report = view.stall if view is not None and phase == State.RUNNING else None
         stall = str(report) if report is not None else None
         return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts, stall)
 
@@ -228,7 +225,7 @@ class Job(Future[list[R]]):
         the job failed, the root cause first."""
         phase, last = self._now()
         status = self._status(phase, last)
-        view = last if phase == RUNNING else None
+        view = last if phase == State.RUNNING else None
         ran = self._ran
         elapsed = (ran[1] if len(ran) > 1 else time.monotonic()) - ran[0] if ran else 0.0
         root = self._root_cause()
@@ -267,7 +264,7 @@ class Job(Future[list[R]]):
 
     def __repr__(self) -> str:
         """E.g. <Job train running>."""
-        state = CANCELLED if self.cancelled() else self._phase
+        state = State.CANCELLED if self.cancelled() else self._phase
         return f"<Job {self.name} {state}>"
 
     # What the job's runner (through a JobControl) and a subclass tell it.
@@ -275,7 +272,7 @@ class Job(Future[list[R]]):
     def _set_phase(self, phase: State, waiting_for: str | None = None) -> None:
         """Record the job's progress: pending (with what it waits for), starting, running."""
         self._waiting_for = waiting_for
-        if phase == RUNNING and not self._ran:
+        if phase == State.RUNNING and not self._ran:
             self._ran.append(time.monotonic())
         changed, self._phase = phase != self._phase, phase
         if changed and self._cell is not None:
@@ -290,7 +287,7 @@ class Job(Future[list[R]]):
         """
         if self._stop_requested.is_set():
             return  # cancel() settles a job it stopped, and tells everyone
-        self._phase = FAILED if error is not None else FINISHED
+        self._phase = State.FAILED if error is not None else State.FINISHED
         self._error = error  # the table shows its root cause from the next redraw on
         why = f": {str(error).splitlines()[0]}" if error is not None else ""
         self._show(f"{self._phase}{why}")  # before the waiter wakes, so its cell sees it
@@ -348,14 +345,14 @@ class JobControl:
     def running(self, call: Call) -> None:
         """An attempt's ranks run `call` now."""
         self.job._call = call
-        self.job._set_phase(RUNNING)
+        self.job._set_phase(State.RUNNING)
 
     def restarted(self, error: BaseException) -> None:
         """A failed attempt is followed by a restart: say so."""
         job = self.job
         job._failed_attempts.append(summary(error))
         self._say(restart_line(len(job._failed_attempts), job._failed_attempts[-1], job.num_ranks))
-        job._set_phase(STARTING)
+        job._set_phase(State.STARTING)
 
     def replaced(self, ranks: set[int]) -> None:
         """Say which ranks the restart replaced, the others kept with their processes."""
