@@ -14,8 +14,6 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"orchestrator": ROOT / "orchestrator", "orchestrator_workers": ROOT / "workers"}
 """Each library package's import name, and its folder."""
@@ -193,21 +191,6 @@ def _chain(loaded: Mapping[str, str | None], module: str) -> str:
     return " -> ".join(reversed(chain))
 
 
-_CORE_NAMES_SUPERVISE = any(
-    room(name) == "orchestrator/supervise/"
-    for module in MODULES
-    if room(module) == "orchestrator/"
-    for name in imports(module)
-)
-"""Until issue 56 item 1 (part A) lands: runner.py and call.py import supervise/direct.py."""
-_UNTIL_PART_A = pytest.mark.xfail(
-    _CORE_NAMES_SUPERVISE,
-    reason="issue 56 item 1 (part A): runner.py and call.py still import supervise/direct.py",
-    strict=True,
-)
-
-
-@_UNTIL_PART_A
 def test_the_core_path_loads_nothing_of_supervise() -> None:
     """Importing the runner, the call, the job and the pool loads no `orchestrator.supervise`
     module, by any chain of imports."""
@@ -219,12 +202,6 @@ def test_the_core_path_loads_nothing_of_supervise() -> None:
     assert not supervise, f"the core path loads supervise/: {_chain(loaded, supervise[0])}"
 
 
-@pytest.mark.xfail(
-    {"orchestrator.pool", "orchestrator.channel"}
-    <= imports("orchestrator.channel") | imports("orchestrator.pool"),
-    reason="issue 56 item 3 (part A): channel.py and pool.py still import each other",
-    strict=True,
-)
 def test_no_circle_of_files() -> None:
     """No library file reaches itself again through the files it imports."""
     found = cycle({module: imports(module) for module in MODULES})
@@ -237,7 +214,6 @@ def test_the_folders_import_one_another_one_way() -> None:
     assert found is None, f"a loop of folders: {' -> '.join(found)}"
 
 
-@_UNTIL_PART_A
 def test_supervise_and_cli_are_in_no_loop_of_folders() -> None:
     """With the top level as one room (its doors apart), supervise/ and cli/ are in no loop
     of folders: they stand on the core, which never reaches up into them."""
