@@ -71,9 +71,12 @@ def train(  # noqa: PLR0917 - torchrun passes them as argv too
         optimizer.step()
         if step == first and attempt > 0:
             record = {
-                "started": started, "built": built, "restored": restored_at,
+                "started": started,
+                "built": built,
+                "restored": restored_at,
                 "first_step": time.time(),
-                "restored_step": restored_step, "first": first,
+                "restored_step": restored_step,
+                "first": first,
             }
             (folder / f"resumed-{rank}").write_text(json.dumps(record))
         if (step + 1) % every == 0 and mode == "memory":

@@ -85,9 +85,14 @@ def _driver(address: str, ranks: list[int], repeats: int, env: dict[str, str]) -
         f"print('RESULT', json.dumps(_drive({ranks!r}, {repeats})))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env={**env, "RAY_ADDRESS": address},
-        capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**env, "RAY_ADDRESS": address},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line.removeprefix("RESULT ")))
@@ -127,14 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         cluster.shutdown()
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nA warm no-op call, by way in: medians of {args.repeats} alternated calls (ms)")
-    print(f"  {'way in':<24}{'ranks':>6}{'plain actors':>14}{'ours':>9}{'ratio':>8}"
-          f"{'detached':>10}{'ratio':>8}  goal")
+    print(
+        f"  {'way in':<24}{'ranks':>6}{'plain actors':>14}{'ours':>9}{'ratio':>8}"
+        f"{'detached':>10}{'ratio':>8}  goal"
+    )
     for way, sizes in results.items():
         for ranks, found in sizes.items():
             plain, ours, detached = found["plain"], found["ours"], found["detached"]
-            print(f"  {way:<24}{ranks:>6}{plain * 1000:>14.2f}{ours * 1000:>9.2f}"
-                  f"{ours / plain:>7.2f}x{detached * 1000:>10.2f}{detached / plain:>7.2f}x"
-                  "  ours <= 1.5x")
+            print(
+                f"  {way:<24}{ranks:>6}{plain * 1000:>14.2f}{ours * 1000:>9.2f}"
+                f"{ours / plain:>7.2f}x{detached * 1000:>10.2f}{detached / plain:>7.2f}x"
+                "  ours <= 1.5x"
+            )
     return 0
 
 

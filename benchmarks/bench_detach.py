@@ -197,14 +197,20 @@ def _get_back(lines: int, address: str, work: Path) -> dict[str, Any]:
     started = time.perf_counter()
     piped = subprocess.run(
         [sys.executable, "-m", "orchestrator", "logs", job.id, "--address", address],
-        capture_output=True, text=True, cwd=ROOT, check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
     )
     logs_s = time.perf_counter() - started
     go.touch()
     job.result(timeout=60)
     after = subprocess.run(
         [sys.executable, "-m", "orchestrator", "logs", job.id, "--address", address],
-        capture_output=True, text=True, cwd=ROOT, check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
     )
     job.release()
     fn.shutdown()
@@ -259,8 +265,11 @@ def _listing(kept: int) -> dict[str, float]:
         named.append(time.perf_counter() - started)
     fn.shutdown()
     assert sum(not info.is_pool for info in found) >= kept, len(found)
-    return {"call_s": statistics.median(calls), "list_s": statistics.median(listed),
-            "name_s": statistics.median(named)}
+    return {
+        "call_s": statistics.median(calls),
+        "list_s": statistics.median(listed),
+        "name_s": statistics.median(named),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,8 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lines", type=int, default=100_000)
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--kept", type=int, default=1000, help="jobs kept when listing")
-    parser.add_argument("--block", type=int, default=10,
-                        help="warm calls of one way in a row (1: alternate call by call)")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=10,
+        help="warm calls of one way in a row (1: alternate call by call)",
+    )
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bd", dir="/tmp"))
     os.environ["RAY_TMPDIR"] = str(work)
@@ -295,29 +308,45 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(work, ignore_errors=True)  # Ray's files and the jobs' logs
-    print(f"\nDetached jobs: {args.repeats} warm calls per size and way, alternated "
-          f"{args.block} at a time; one Ray round trip here {trip * 1000:.2f} ms (median)")
-    print(f"  {'warm no-op call':<34}{'live':>10}{'detached':>10}{'extra':>10}{'ratio':>8}"
-          f"{'direct floor':>14}{'extra':>8}{'ratio':>8}  goal")
+    print(
+        f"\nDetached jobs: {args.repeats} warm calls per size and way, alternated "
+        f"{args.block} at a time; one Ray round trip here {trip * 1000:.2f} ms (median)"
+    )
+    print(
+        f"  {'warm no-op call':<34}{'live':>10}{'detached':>10}{'extra':>10}{'ratio':>8}"
+        f"{'direct floor':>14}{'extra':>8}{'ratio':>8}  goal"
+    )
     for ranks, live_s, detached_s, floor_s in rows:
         goal = "<= 1 round trip" if ranks == 4 else "<= 1.2x"
         extra, floor_extra = (detached_s - live_s) * 1000, (floor_s - live_s) * 1000
-        print(f"  {f'{ranks} ranks (ms, median)':<34}{live_s * 1000:>10.2f}"
-              f"{detached_s * 1000:>10.2f}{extra:>10.2f}{detached_s / live_s:>7.2f}x"
-              f"{floor_s * 1000:>14.2f}{floor_extra:>8.2f}{floor_s / live_s:>7.2f}x  {goal}")
-    print("  (detached: a blocking warm call, started on the ranks by this driver while the "
-          "supervisor watches; direct floor: a live call plus one notice to a stand-in "
-          "supervisor and one collect from a stand-in rank 0, session 28's least cost of it)")
-    print(f"  get a 16-rank job back ({args.lines:,} lines printed): table and newest 1,000 "
-          f"lines shown in {back['shown_s']:.2f} s (goal < 1 s)")
-    print(f"  orchestrator logs ID | ...: {back['logs_lines']:,} lines in {back['logs_s']:.2f} s "
-          f"(goal: all, < 2 s); {back['lines_at_end']:,} once the job ended")
-    print(f"  output latency while following (4 ranks, {len(latencies)} lines): "
-          f"p50 {_percentile(latencies, 0.5):.1f} ms (goal <= 20), "
-          f"p99 {_percentile(latencies, 0.99):.1f} ms (goal <= 100)")
-    print(f"  {args.kept:,} finished jobs kept (a sweep of 2-rank calls, "
-          f"{listing['call_s'] * 1000:.2f} ms each): list_jobs {listing['list_s']:.2f} s, "
-          f"get_job(name) {listing['name_s']:.2f} s")
+        print(
+            f"  {f'{ranks} ranks (ms, median)':<34}{live_s * 1000:>10.2f}"
+            f"{detached_s * 1000:>10.2f}{extra:>10.2f}{detached_s / live_s:>7.2f}x"
+            f"{floor_s * 1000:>14.2f}{floor_extra:>8.2f}{floor_s / live_s:>7.2f}x  {goal}"
+        )
+    print(
+        "  (detached: a blocking warm call, started on the ranks by this driver while the "
+        "supervisor watches; direct floor: a live call plus one notice to a stand-in "
+        "supervisor and one collect from a stand-in rank 0, session 28's least cost of it)"
+    )
+    print(
+        f"  get a 16-rank job back ({args.lines:,} lines printed): table and newest 1,000 "
+        f"lines shown in {back['shown_s']:.2f} s (goal < 1 s)"
+    )
+    print(
+        f"  orchestrator logs ID | ...: {back['logs_lines']:,} lines in {back['logs_s']:.2f} s "
+        f"(goal: all, < 2 s); {back['lines_at_end']:,} once the job ended"
+    )
+    print(
+        f"  output latency while following (4 ranks, {len(latencies)} lines): "
+        f"p50 {_percentile(latencies, 0.5):.1f} ms (goal <= 20), "
+        f"p99 {_percentile(latencies, 0.99):.1f} ms (goal <= 100)"
+    )
+    print(
+        f"  {args.kept:,} finished jobs kept (a sweep of 2-rank calls, "
+        f"{listing['call_s'] * 1000:.2f} ms each): list_jobs {listing['list_s']:.2f} s, "
+        f"get_job(name) {listing['name_s']:.2f} s"
+    )
     return 0
 
 

@@ -315,9 +315,14 @@ def watching(size: int, runs: int, seconds: float, tmp: str) -> dict[str, Any]:
 
     cluster = _cluster(size, tmp)
     on = distribute(
-        idle, num_replicas=size, replicas_per_node=PER_NODE, cpus_per_replica=1,
-        gpus_per_replica=0, log_dir=False, name="watch",
-    )  # fmt: skip
+        idle,
+        num_replicas=size,
+        replicas_per_node=PER_NODE,
+        cpus_per_replica=1,
+        gpus_per_replica=0,
+        log_dir=False,
+        name="watch",
+    )
     off = on.with_options(stall_after=None)
     driver: dict[str, list[float]] = {"on": [], "off": []}
     readings = []
@@ -384,8 +389,11 @@ def measure(
         ]
         for c in cases:
             named = "-" if c["named_s"] is None else f"{c['named_s']:.1f} s"
-            print(f"[bench] {size} ranks, {c['case']}: named after {named}, "
-                  f"first report right: {c['first_right']} {c.get('first', '')}", flush=True)
+            print(
+                f"[bench] {size} ranks, {c['case']}: named after {named}, "
+                f"first report right: {c['first_right']} {c.get('first', '')}",
+                flush=True,
+            )
         costs = overhead(fn, runs, steps) if runs else {}
         print(f"[bench] {size} ranks, detector on/off: {costs}", flush=True)
     finally:
@@ -447,8 +455,10 @@ def _tables(
     took: float,
 ) -> None:
     """Print what was measured."""
-    print(f"\nbench_diagnose: {os.cpu_count()} cores; nodes of {PER_NODE} CPUs on this machine; "
-          f"stall_after={STALL_AFTER_S:g} s; {args.repeats} run(s) per case; {took / 60:.1f} min")
+    print(
+        f"\nbench_diagnose: {os.cpu_count()} cores; nodes of {PER_NODE} CPUs on this machine; "
+        f"stall_after={STALL_AFTER_S:g} s; {args.repeats} run(s) per case; {took / 60:.1f} min"
+    )
     if rows:
         print("ranks | case | named after (median, max) | beyond stall_after | first report right")
     for row in rows:
@@ -469,10 +479,14 @@ def _tables(
             print(f"{row['size']} | {case} | {named} | {beyond} | {right} of {len(got)}")
     costs = [r for r in rows if "steps_on" in r]
     if costs:
-        print(f"\nDetector on vs off, {args.runs} runs each in turns (a balanced gloo DDP loop "
-              f"for {args.steps:g} s; medians):")
-        print("ranks | steps/s on / off | driver CPU on / off | sampler CPU per rank-minute | "
-              "warm empty call on / off | balanced loop reported (hang or slow)")
+        print(
+            f"\nDetector on vs off, {args.runs} runs each in turns (a balanced gloo DDP loop "
+            f"for {args.steps:g} s; medians):"
+        )
+        print(
+            "ranks | steps/s on / off | driver CPU on / off | sampler CPU per rank-minute | "
+            "warm empty call on / off | balanced loop reported (hang or slow)"
+        )
     for row in costs:
         print(
             f"{row['size']} | {row['steps_on']:.1f} / {row['steps_off']:.1f} | "
@@ -482,12 +496,16 @@ def _tables(
             f"{row['balanced_reported']} times"
         )
     if watched:
-        print("\nThe driver watching a long call of idle ranks (the default stall_after, "
-              "read every 5 s) and not, in turns (medians):")
+        print(
+            "\nThe driver watching a long call of idle ranks (the default stall_after, "
+            "read every 5 s) and not, in turns (medians):"
+        )
         print("ranks | nodes | driver CPU watched / not | node readings per call")
     for row in watched:
-        print(f"{row['size']} | {row['nodes']} | {row['on']:.1%} / {row['off']:.1%} of a core "
-              f"| {row['readings']:g} in {row['seconds']:g} s ({row['runs']} runs each)")
+        print(
+            f"{row['size']} | {row['nodes']} | {row['on']:.1%} / {row['off']:.1%} of a core "
+            f"| {row['readings']:g} in {row['seconds']:g} s ({row['runs']} runs each)"
+        )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from orchestrator import DistributedError, distribute
 
-_SCRIPT = '''
+_SCRIPT = """
 import os, signal, sys, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -32,7 +32,7 @@ if dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     raise ValueError("boom")
 dist.all_reduce(torch.ones(1))
-'''
+"""
 
 
 def _fail(how: str, stamp: str) -> None:

@@ -108,10 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     _close(_functions(1))  # start Ray before timing anything
     results = measure(args.jobs, args.work, args.repeats)
-    print(
-        f"\n{args.jobs} jobs x 1 rank, {args.work:g} s of work each, "
-        f"median of {args.repeats}\n"
-    )
+    print(f"\n{args.jobs} jobs x 1 rank, {args.work:g} s of work each, median of {args.repeats}\n")
     print("| start | one job alone | one after another | all at once | speed-up |")
     print("| --- | --- | --- | --- | --- |")
     for mode, row in results.items():

@@ -136,9 +136,12 @@ def warm_cluster(nodes: int, repeats: int, warm_calls: int, folder: str) -> dict
                     for name in os.listdir(folder):
                         os.remove(os.path.join(folder, name))
                     restart = distribute(
-                        _dies_once, num_replicas=nodes, replicas_per_node=1, log_dir=False,
+                        _dies_once,
+                        num_replicas=nodes,
+                        replicas_per_node=1,
+                        log_dir=False,
                         max_restarts=1,
-                    )  # fmt: skip
+                    )
                     restart(folder)  # the pool, warm
                     os.remove(os.path.join(folder, "died"))
                     found[mode]["restart"].append(_timed(lambda: restart(folder)))  # noqa: B023
@@ -152,8 +155,11 @@ def warm_cluster(nodes: int, repeats: int, warm_calls: int, folder: str) -> dict
 def _second_driver(address: str, mode: str, nodes: int) -> float:
     proc = subprocess.run(
         [sys.executable, "-c", _SECOND_DRIVER, address, mode, str(nodes)],
-        capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     return float(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 

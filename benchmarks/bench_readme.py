@@ -31,12 +31,14 @@ from benchmarks.core.common import (
 def _ours(root: Path) -> float:
     """The README's example from `root`'s tree: its wall time to exit."""
     with fresh_ray_tmpdir() as tmp:
-        run = launch([PYTHON, str(root / "examples" / "linear_ddp.py")], clean_env(tmp, root),
-                     cwd=root)
+        run = launch(
+            [PYTHON, str(root / "examples" / "linear_ddp.py")], clean_env(tmp, root), cwd=root
+        )
         left = stop_leftovers("RAY_TMPDIR", tmp)
     if run.returncode or left:
-        raise RuntimeError(f"the example failed ({run.returncode}, left {left}):\n"
-                           f"{run.output[-3000:]}")
+        raise RuntimeError(
+            f"the example failed ({run.returncode}, left {left}):\n{run.output[-3000:]}"
+        )
     return run.wall_s
 
 
@@ -46,15 +48,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=7, help="runs per way (default 7)")
     parser.add_argument("--baseline-tree", type=Path, help="another checkout's example too")
     args = parser.parse_args()
-    ways = {"distribute (this tree)": lambda: _ours(ROOT),
-            "torchrun --standalone": lambda: torchrun("readme")[0].wall_s}
+    ways = {
+        "distribute (this tree)": lambda: _ours(ROOT),
+        "torchrun --standalone": lambda: torchrun("readme")[0].wall_s,
+    }
     if args.baseline_tree:
         tree = args.baseline_tree.resolve()
         ways[f"distribute ({tree})"] = lambda: _ours(tree)
     walls: dict[str, list[float]] = {way: [] for way in ways}
     names = list(ways)
     for i in range(args.runs):
-        for way in names[i % len(names):] + names[: i % len(names)]:
+        for way in names[i % len(names) :] + names[: i % len(names)]:
             walls[way].append(ways[way]())
             print(f"  [bench] run {i + 1}/{args.runs}: {way} {walls[way][-1]:.2f} s", flush=True)
     theirs = statistics.median(walls["torchrun --standalone"])

@@ -70,8 +70,14 @@ def cluster(nodes: int, cpus: int) -> Iterator[None]:
 def ours(out: Path, ranks: int, nodes: int, mb: int, mode: str) -> dict[str, float]:
     """One kill and recovery through distribute(max_restarts=1)."""
     fn = distribute(
-        train, num_replicas=ranks, replicas_per_node=ranks // nodes, gpus_per_replica=0,
-        max_restarts=1, log_dir=False, log_ranks=[], name=f"recover-{mode}",
+        train,
+        num_replicas=ranks,
+        replicas_per_node=ranks // nodes,
+        gpus_per_replica=0,
+        max_restarts=1,
+        log_dir=False,
+        log_ranks=[],
+        name=f"recover-{mode}",
     )
     with fn:
         fn(str(out), mb, KILL_STEP + 3, EVERY, mode, KILL_STEP, ranks // nodes)
@@ -81,13 +87,21 @@ def ours(out: Path, ranks: int, nodes: int, mb: int, mode: str) -> dict[str, flo
 def torchrun(out: Path, ranks: int, mb: int) -> dict[str, float]:
     """One kill and recovery under torchrun --max-restarts=1, from the disk checkpoint."""
     argv = [
-        str(Path(sys.executable).with_name("torchrun")), "--standalone",
-        f"--nproc_per_node={ranks}", "--max-restarts=1", "-m", "benchmarks._recovery_job",
-        str(out), str(mb), str(KILL_STEP + 3), str(EVERY), "disk", str(KILL_STEP),
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "--max-restarts=1",
+        "-m",
+        "benchmarks._recovery_job",
+        str(out),
+        str(mb),
+        str(KILL_STEP + 3),
+        str(EVERY),
+        "disk",
+        str(KILL_STEP),
         str(ranks // 2),
     ]
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=False,
-                          timeout=900)
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=False, timeout=900)
     if proc.returncode:
         raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
     return _timings(out)
@@ -113,8 +127,13 @@ def _timings(out: Path) -> dict[str, float]:
 def overhead(out: Path, mode: str, steps: int) -> float:
     """Steps/s of the slowest of 4 ranks on 2 nodes, 100 MB, a snapshot every 50 steps."""
     fn = distribute(
-        train, num_replicas=4, replicas_per_node=2, gpus_per_replica=0, log_dir=False,
-        log_ranks=[], name=f"overhead-{mode}",
+        train,
+        num_replicas=4,
+        replicas_per_node=2,
+        gpus_per_replica=0,
+        log_dir=False,
+        log_ranks=[],
+        name=f"overhead-{mode}",
     )
     with fn:
         rates = fn(str(out), 100, steps, 50, mode, -1, -1)
@@ -131,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--overhead-repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="100 MB and 4 ranks, 1 repeat")
-    parser.add_argument("--modes", default=",".join(LABELS),
-                        help=f"a subset of {','.join(LABELS)}")
-    parser.add_argument("--sizes", default=",".join(CONFIGS),
-                        help=f"a subset of {','.join(CONFIGS)}")
+    parser.add_argument("--modes", default=",".join(LABELS), help=f"a subset of {','.join(LABELS)}")
+    parser.add_argument(
+        "--sizes", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}"
+    )
     args = parser.parse_args(argv)
     for given, known in ((args.modes, LABELS), (args.sizes, CONFIGS)):
         unknown = set(given.split(",")) - set(known)
@@ -165,8 +184,13 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(out)
             for mode in modes:
                 keys = runs[mode][0].keys()
-                rows.append((f"{ranks} ranks, {nodes} nodes, {mb} MB/rank", LABELS[mode],
-                             {k: _median([r[k] for r in runs[mode]]) for k in keys}))
+                rows.append(
+                    (
+                        f"{ranks} ranks, {nodes} nodes, {mb} MB/rank",
+                        LABELS[mode],
+                        {k: _median([r[k] for r in runs[mode]]) for k in keys},
+                    )
+                )
         kept = ["none", *ours_modes]
         rates: dict[str, list[float]] = {mode: [] for mode in kept}
         steps = 20 if args.quick else 100
@@ -180,23 +204,35 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\nKill at step {KILL_STEP} -> every rank's first step after recovery "
-          f"(snapshot or checkpoint every {EVERY} steps; median of {repeats})")
-    print(f"{'':<32}{'':<34}{'total':>8}{'restart':>9}{'setup':>9}{'restore':>9}"
-          f"{'1st step':>9}{'redone':>8}")
+    print(
+        f"\nKill at step {KILL_STEP} -> every rank's first step after recovery "
+        f"(snapshot or checkpoint every {EVERY} steps; median of {repeats})"
+    )
+    print(
+        f"{'':<32}{'':<34}{'total':>8}{'restart':>9}{'setup':>9}{'restore':>9}"
+        f"{'1st step':>9}{'redone':>8}"
+    )
     for where, label, t in rows:
-        print(f"{where:<32}{label:<34}{t['total']:>7.2f}s{t['restart']:>8.2f}s"
-              f"{t['setup']:>8.2f}s{t['restore']:>8.2f}s{t['first step']:>8.2f}s"
-              f"{t['redone']:>8.0f}")
+        print(
+            f"{where:<32}{label:<34}{t['total']:>7.2f}s{t['restart']:>8.2f}s"
+            f"{t['setup']:>8.2f}s{t['restore']:>8.2f}s{t['first step']:>8.2f}s"
+            f"{t['redone']:>8.0f}"
+        )
     base = _median(rates["none"])
-    print(f"\nThroughput, 4 ranks on 2 nodes, 100 MB/rank, {steps} steps, every 50 "
-          f"(median of {len(rates['none'])}; slowest rank's steps/s)")
+    print(
+        f"\nThroughput, 4 ranks on 2 nodes, 100 MB/rank, {steps} steps, every 50 "
+        f"(median of {len(rates['none'])}; slowest rank's steps/s)"
+    )
     for mode, runs_of in rates.items():
         value = _median(runs_of)
-        print(f"  {mode:<8}{value:>8.2f} steps/s  cost {1 - value / base:>6.1%}  "
-              f"runs {', '.join(f'{r:.2f}' for r in runs_of)}")
-    print("goals: (a) under 5 s at 4 ranks with 1 GB and faster than (b) and (c); "
-          f"redone <= {EVERY}; (a)'s cost <= 2%")
+        print(
+            f"  {mode:<8}{value:>8.2f} steps/s  cost {1 - value / base:>6.1%}  "
+            f"runs {', '.join(f'{r:.2f}' for r in runs_of)}"
+        )
+    print(
+        "goals: (a) under 5 s at 4 ranks with 1 GB and faster than (b) and (c); "
+        f"redone <= {EVERY}; (a)'s cost <= 2%"
+    )
     return 0
 
 

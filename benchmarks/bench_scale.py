@@ -232,10 +232,23 @@ class Run:
     def argv(self) -> list[str]:
         """The command line of a driver process making this run."""
         return [
-            sys.executable, "-m", "benchmarks.bench_scale", "--driver", self.kind,
-            "--address", self.address, "--ranks", str(self.ranks), "--mode", self.mode,
-            "--calls", str(self.calls), "--print-s", str(self.print_s),
-            "--per-node", str(PER_NODE),
+            sys.executable,
+            "-m",
+            "benchmarks.bench_scale",
+            "--driver",
+            self.kind,
+            "--address",
+            self.address,
+            "--ranks",
+            str(self.ranks),
+            "--mode",
+            self.mode,
+            "--calls",
+            str(self.calls),
+            "--print-s",
+            str(self.print_s),
+            "--per-node",
+            str(PER_NODE),
         ]
 
 
@@ -359,10 +372,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few calls, one driver each")
     parser.add_argument("--print-s", type=float, default=3.0, help="seconds of printing")
     parser.add_argument("--per-node", type=int, default=8, help="ranks per node")
-    parser.add_argument("--direct", action="store_true",
-                        help="also ours with one Ray task per rank (ORCHESTRATOR_HANDOFF=0)")
-    parser.add_argument("--no-fan-out", dest="fan_out", action="store_false",
-                        help="skip Ray's floor with a per-node fan-out")
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="also ours with one Ray task per rank (ORCHESTRATOR_HANDOFF=0)",
+    )
+    parser.add_argument(
+        "--no-fan-out",
+        dest="fan_out",
+        action="store_false",
+        help="skip Ray's floor with a per-node fan-out",
+    )
     parser.add_argument("--driver", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, help=argparse.SUPPRESS)
@@ -393,8 +413,11 @@ def main() -> None:
                 for rep in range(repeats):
                     order = ("ours", "floor") if rep % 2 == 0 else ("floor", "ours")
                     for kind in order:
-                        print(f"[bench] {size} ranks, {mode}, {kind} (repeat {rep + 1})",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"[bench] {size} ranks, {mode}, {kind} (repeat {rep + 1})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         run = Run(kind, cluster.address, size, mode, calls, args.print_s)
                         found[kind].append(_run_driver(run))
                 if mode == "rank" and args.direct:
@@ -430,60 +453,103 @@ def _merge(results: list[dict]) -> dict[str, Any]:
 
 
 def _report(rows: list[dict], took: float) -> None:
-    print(f"\nbench_scale: {os.cpu_count()} cores; nodes of {PER_NODE} CPUs and a 96 MiB "
-          "object store each, all on this machine; "
-          f"{rows[0]['calls'] if rows else 0} warm calls per driver (fewer at 128)")
-    head = ("ranks", "nodes", "job", "cold ours", "cold floor", "x", "warm med ours",
-            "warm med floor", "x", "p90 ours", "p90 floor", "drv CPU/call ours",
-            "drv CPU/call floor", "drv USS ours/floor MB", "rank PSS ours/floor MB",
-            "drv CPU printing ours/floor", "lines shown ours/floor")
+    print(
+        f"\nbench_scale: {os.cpu_count()} cores; nodes of {PER_NODE} CPUs and a 96 MiB "
+        "object store each, all on this machine; "
+        f"{rows[0]['calls'] if rows else 0} warm calls per driver (fewer at 128)"
+    )
+    head = (
+        "ranks",
+        "nodes",
+        "job",
+        "cold ours",
+        "cold floor",
+        "x",
+        "warm med ours",
+        "warm med floor",
+        "x",
+        "p90 ours",
+        "p90 floor",
+        "drv CPU/call ours",
+        "drv CPU/call floor",
+        "drv USS ours/floor MB",
+        "rank PSS ours/floor MB",
+        "drv CPU printing ours/floor",
+        "lines shown ours/floor",
+    )
     print(" | ".join(head))
     merged = []
     for row in rows:
         ours, floor = _merge(row["ours"]), _merge(row["floor"])
         merged.append((row, ours, floor))
-        print(" | ".join([
-            str(row["size"]), str(row["size"] // PER_NODE), row["mode"],
-            f"{ours['cold']:.1f} s", f"{floor['cold']:.1f} s",
-            f"{ours['cold'] / floor['cold']:.2f}",
-            f"{ours['warm'] * 1e3:.1f} ms", f"{floor['warm'] * 1e3:.1f} ms",
-            f"{ours['warm'] / floor['warm']:.2f}",
-            f"{ours['p90'] * 1e3:.1f} ms", f"{floor['p90'] * 1e3:.1f} ms",
-            f"{ours['cpu'] * 1e3:.1f} ms", f"{floor['cpu'] * 1e3:.1f} ms",
-            f"{ours['uss']:.0f}/{floor['uss']:.0f}", f"{ours['pss']:.0f}/{floor['pss']:.0f}",
-            f"{ours['print']:.0%}/{floor['print']:.0%}", f"{ours['lines']} / {floor['lines']}",
-        ]))
-    print("\nWhere a warm call's time goes: every process's CPU per call (the machine's "
-          f"{os.cpu_count()} cores), and the driver's CPU per call less what Ray's threads in "
-          "it use idle (its idle rate x the call's wall time):")
-    print("ranks | job | machine CPU/call ours / floor | drv idle CPU ours / floor | "
-          "drv CPU/call less idle ours / floor")
+        print(
+            " | ".join(
+                [
+                    str(row["size"]),
+                    str(row["size"] // PER_NODE),
+                    row["mode"],
+                    f"{ours['cold']:.1f} s",
+                    f"{floor['cold']:.1f} s",
+                    f"{ours['cold'] / floor['cold']:.2f}",
+                    f"{ours['warm'] * 1e3:.1f} ms",
+                    f"{floor['warm'] * 1e3:.1f} ms",
+                    f"{ours['warm'] / floor['warm']:.2f}",
+                    f"{ours['p90'] * 1e3:.1f} ms",
+                    f"{floor['p90'] * 1e3:.1f} ms",
+                    f"{ours['cpu'] * 1e3:.1f} ms",
+                    f"{floor['cpu'] * 1e3:.1f} ms",
+                    f"{ours['uss']:.0f}/{floor['uss']:.0f}",
+                    f"{ours['pss']:.0f}/{floor['pss']:.0f}",
+                    f"{ours['print']:.0%}/{floor['print']:.0%}",
+                    f"{ours['lines']} / {floor['lines']}",
+                ]
+            )
+        )
+    print(
+        "\nWhere a warm call's time goes: every process's CPU per call (the machine's "
+        f"{os.cpu_count()} cores), and the driver's CPU per call less what Ray's threads in "
+        "it use idle (its idle rate x the call's wall time):"
+    )
+    print(
+        "ranks | job | machine CPU/call ours / floor | drv idle CPU ours / floor | "
+        "drv CPU/call less idle ours / floor"
+    )
     for row, ours, floor in merged:
         own = [m["cpu"] - m["idle"] * m["warm"] for m in (ours, floor)]
-        print(f"{row['size']} | {row['mode']} | {ours['machine'] * 1e3:.0f} / "
-              f"{floor['machine'] * 1e3:.0f} ms | {ours['idle'] * 1e3:.1f} / "
-              f"{floor['idle'] * 1e3:.1f} ms/s | {own[0] * 1e3:.1f} / {own[1] * 1e3:.1f} ms")
+        print(
+            f"{row['size']} | {row['mode']} | {ours['machine'] * 1e3:.0f} / "
+            f"{floor['machine'] * 1e3:.0f} ms | {ours['idle'] * 1e3:.1f} / "
+            f"{floor['idle'] * 1e3:.1f} ms/s | {own[0] * 1e3:.1f} / {own[1] * 1e3:.1f} ms"
+        )
     direct = [(row, _merge(row["direct"])) for row in rows if row.get("direct")]
     if direct:
         print("\nOurs with one Ray task per rank (ORCHESTRATOR_HANDOFF=0), rank-only job:")
-        print("ranks | nodes | warm med direct / hand-off / floor | drv CPU/call direct / "
-              "hand-off / floor")
+        print(
+            "ranks | nodes | warm med direct / hand-off / floor | drv CPU/call direct / "
+            "hand-off / floor"
+        )
         for row, alone in direct:
             ours, floor = _merge(row["ours"]), _merge(row["floor"])
-            print(f"{row['size']} | {row['size'] // PER_NODE} | {alone['warm'] * 1e3:.1f} / "
-                  f"{ours['warm'] * 1e3:.1f} / {floor['warm'] * 1e3:.1f} ms | "
-                  f"{alone['cpu'] * 1e3:.1f} / {ours['cpu'] * 1e3:.1f} / "
-                  f"{floor['cpu'] * 1e3:.1f} ms")
+            print(
+                f"{row['size']} | {row['size'] // PER_NODE} | {alone['warm'] * 1e3:.1f} / "
+                f"{ours['warm'] * 1e3:.1f} / {floor['warm'] * 1e3:.1f} ms | "
+                f"{alone['cpu'] * 1e3:.1f} / {ours['cpu'] * 1e3:.1f} / "
+                f"{floor['cpu'] * 1e3:.1f} ms"
+            )
     fanned = [(row, _merge(row["fanout"])) for row in rows if row.get("fanout")]
     if fanned:
-        print("\nRay's floor with a per-node fan-out (the driver calls one actor per node, "
-              f"which calls that node's {PER_NODE} ranks), rank-only job:")
+        print(
+            "\nRay's floor with a per-node fan-out (the driver calls one actor per node, "
+            f"which calls that node's {PER_NODE} ranks), rank-only job:"
+        )
         print("ranks | nodes | warm med fan-out / direct floor | drv CPU/call fan-out / direct")
         for row, fan in fanned:
             direct = _merge(row["floor"])
-            print(f"{row['size']} | {row['size'] // PER_NODE} | {fan['warm'] * 1e3:.1f} / "
-                  f"{direct['warm'] * 1e3:.1f} ms | {fan['cpu'] * 1e3:.1f} / "
-                  f"{direct['cpu'] * 1e3:.1f} ms")
+            print(
+                f"{row['size']} | {row['size'] // PER_NODE} | {fan['warm'] * 1e3:.1f} / "
+                f"{direct['warm'] * 1e3:.1f} ms | {fan['cpu'] * 1e3:.1f} / "
+                f"{direct['cpu'] * 1e3:.1f} ms"
+            )
     _project([m for m in merged if m[0]["mode"] == "rank"])
     print(f"\n(run took {took / 60:.1f} min)")
 
@@ -493,10 +559,10 @@ def _project(merged: list[tuple[dict, dict, dict]]) -> None:
     if len(merged) < 2:
         return
     sizes = [row["size"] for row, _, _ in merged]
-    print("\nProjection to 1,024 ranks on 128 nodes (rank-only job; a + b*N fitted over "
-          f"{sizes}):")
+    print(f"\nProjection to 1,024 ranks on 128 nodes (rank-only job; a + b*N fitted over {sizes}):")
     for label, key, scale, unit in (
-        ("cold", "cold", 1, "s"), ("warm median", "warm", 1e3, "ms"),
+        ("cold", "cold", 1, "s"),
+        ("warm median", "warm", 1e3, "ms"),
         ("driver CPU per warm call", "cpu", 1e3, "ms"),
     ):
         for who, index in (("ours", 1), ("floor", 2)):

@@ -345,16 +345,22 @@ def main(argv: list[str] | None = None) -> int:
         if stuck:
             frames = sys._current_frames()
             for thread in stuck:
-                print(f"\nSTUCK: {thread.name}, a call still running {CALL_LIMIT_S:g} s after "
-                      "the end:\n" + "".join(traceback.format_stack(frames[thread.ident])))
+                print(
+                    f"\nSTUCK: {thread.name}, a call still running {CALL_LIMIT_S:g} s after "
+                    "the end:\n" + "".join(traceback.format_stack(frames[thread.ident]))
+                )
             sys.stdout.flush()
             time.sleep(float(os.environ.get("SOAK_HOLD", "0")))
             os._exit(1)
     elapsed = time.time() - started
     rss_end, fds_end, shmem_end = rss_mb(), open_fds(), rss_mb("RssShmem")
     left = leftovers(run_id, grace_s=20)
-    alive = sorted(pid for pid in tally.pids if Path(f"/proc/{pid}").exists()
-                   and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3])
+    alive = sorted(
+        pid
+        for pid in tally.pids
+        if Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+    )
     shm = shm_files(started)
     groups, held = released(ray, grace_s=20)
 
@@ -373,24 +379,45 @@ def main(argv: list[str] | None = None) -> int:
     print("calls per outcome: " + ", ".join(f"{k} {tally.calls[k]}" for k in OUTCOMES))
     rows = [
         ("wrong results", str(len(tally.wrong_results)), "0", not tally.wrong_results),
-        ("errors with a wrong root cause or type", str(len(tally.wrong_errors)), "0",
-         not tally.wrong_errors),
-        ("rank and keeper processes left after shutdown()", str(len(left) + len(alive)), "0",
-         not left and not alive),
-        ("driver fds after shutdown() minus at call 100",
-         "-" if tally.fds_at_100 is None else str(fds_end - tally.fds_at_100), "<= 0",
-         tally.fds_at_100 is None or fds_end <= tally.fds_at_100),
+        (
+            "errors with a wrong root cause or type",
+            str(len(tally.wrong_errors)),
+            "0",
+            not tally.wrong_errors,
+        ),
+        (
+            "rank and keeper processes left after shutdown()",
+            str(len(left) + len(alive)),
+            "0",
+            not left and not alive,
+        ),
+        (
+            "driver fds after shutdown() minus at call 100",
+            "-" if tally.fds_at_100 is None else str(fds_end - tally.fds_at_100),
+            "<= 0",
+            tally.fds_at_100 is None or fds_end <= tally.fds_at_100,
+        ),
         ("/dev/shm buffer files left", str(len(shm)), "0", not shm),
         ("placement groups left", str(len(groups)), "0", not groups),
         ("resources still held", str(held or 0), "0", not held),
-        ("driver private RSS growth per 100 calls after the first 100",
-         "-" if per_100 is None else f"{per_100:.2f} MB", "<= 5 MB",
-         per_100 is None or per_100 <= 5),
-        ("  object store pages it mapped meanwhile (Ray's, bounded by the store)",
-         "-" if tally.shmem_at_100 is None else f"{shmem_end - tally.shmem_at_100:+.1f} MB", "-",
-         True),
-        ("failure to error, p50 / p99", f"{p50:.3f} / {p99:.3f} s ({len(times)} failures)",
-         "-", True),
+        (
+            "driver private RSS growth per 100 calls after the first 100",
+            "-" if per_100 is None else f"{per_100:.2f} MB",
+            "<= 5 MB",
+            per_100 is None or per_100 <= 5,
+        ),
+        (
+            "  object store pages it mapped meanwhile (Ray's, bounded by the store)",
+            "-" if tally.shmem_at_100 is None else f"{shmem_end - tally.shmem_at_100:+.1f} MB",
+            "-",
+            True,
+        ),
+        (
+            "failure to error, p50 / p99",
+            f"{p50:.3f} / {p99:.3f} s ({len(times)} failures)",
+            "-",
+            True,
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"\n{'target':<{width}}  {'measured':>26}  {'wanted':>7}  met")

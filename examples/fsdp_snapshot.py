@@ -44,8 +44,12 @@ class AppState(Stateful):
         """Load both back, in their sharding."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optimizer"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optimizer"],
+        )
 
 
 def train(
@@ -111,17 +115,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from orchestrator import distribute
 
     fn = distribute(
-        train, num_replicas=args.num_replicas, replicas_per_node=args.replicas_per_node,
-        gpus_per_replica=1 if args.backend == "nccl" else 0, max_restarts=1,
+        train,
+        num_replicas=args.num_replicas,
+        replicas_per_node=args.replicas_per_node,
+        gpus_per_replica=1 if args.backend == "nccl" else 0,
+        max_restarts=1,
         address=args.address,
     )
     with fn:
         results = fn(args.steps, args.every, args.crash_at_step, args.backend)
     for rank, result in enumerate(results):
         resumed = result["resumed"]
-        where = "a fresh start" if resumed is None else (
-            f"step {resumed[0]} from " + ("its own copy" if resumed[2] == "own" else
-                                          f"{resumed[2]}'s copy")
+        where = (
+            "a fresh start"
+            if resumed is None
+            else (
+                f"step {resumed[0]} from "
+                + ("its own copy" if resumed[2] == "own" else f"{resumed[2]}'s copy")
+            )
         )
         print(f"rank {rank}: {where}, final loss {result['loss']:.6f}")
     return results

@@ -222,9 +222,7 @@ class Call:
             self._end(monitor.after_s, str(report))
         return due
 
-    def _wait_runs(
-        self, wait_s: float | None
-    ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
+    def _wait_runs(self, wait_s: float | None) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
         """Runs finished within `wait_s` (or the poll), and the output requests ready.
 
         A call handed off by node, with quiet ranks: one wait for the first of the runs
@@ -261,7 +259,11 @@ class Call:
         states = [self.rank_state(r, stopped=stopped) for r in range(len(self.pool.actors))]
         monitor = None if stopped else self.monitor
         return snapshot(
-            self.share_key, self._started_at, self.pool, states=states, console=self.console,
+            self.share_key,
+            self._started_at,
+            self.pool,
+            states=states,
+            console=self.console,
             findings=monitor.findings() if monitor is not None else None,
         )
 

@@ -133,7 +133,8 @@ def _at_start(
         return RankFailure(
             **{**where, "pid": 0},
             exc_type=f"{RuntimeEnvSetupError.__module__}.RuntimeEnvSetupError",
-            traceback=text, exception=cloudpickle.dumps(exc),
+            traceback=text,
+            exception=cloudpickle.dumps(exc),
             message=(
                 "its runtime_env could not be set up on its node, before its process "
                 f"started: {said[-1] if said else 'Ray gave no reason'} (Ray's whole "
@@ -146,7 +147,9 @@ def _at_start(
         report, raised = hook
         kind, _, message = raised.partition(": ")
         return RankFailure(
-            **where, exc_type=kind if message else CRASH, traceback=report,
+            **where,
+            exc_type=kind if message else CRASH,
+            traceback=report,
             message=(
                 "its runtime_env's worker_process_setup_hook failed as its process started, "
                 f"before the function ran: {message or raised}. Fix the hook, or leave it "
@@ -157,12 +160,16 @@ def _at_start(
         raised = text.strip().rsplit("\n", 1)[-1]
         kind, _, message = raised.partition(": ")
         return RankFailure(
-            **where, exc_type=kind if message else CRASH, traceback=text,
+            **where,
+            exc_type=kind if message else CRASH,
+            traceback=text,
             message=f"its actor failed to start, before the function ran: {message or raised}",
         )
     why = reason(exc, None, "", node_gone=cluster.node_lost(node_id))
     return RankFailure(
-        **where, exc_type=CRASH, traceback="",
+        **where,
+        exc_type=CRASH,
+        traceback="",
         message=f"while its pool started, before the function ran, {why}",
     )
 
@@ -171,8 +178,7 @@ def _hook_failed(text: str) -> tuple[str, str] | None:
     """Where Ray says a rank's process ended because its setup hook failed (raised, or
     could not be loaded): its report (the hook's traceback), and the line that says what
     was raised."""
-    said = re.search(r"Worker exit detail: (Failed to \w+ the setup hook.*?)(?:\n\n|$)",
-                     text, re.S)
+    said = re.search(r"Worker exit detail: (Failed to \w+ the setup hook.*?)(?:\n\n|$)", text, re.S)
     if said is None:
         return None
     lines = [line for line in said.group(1).strip().splitlines() if line.strip()]

@@ -79,8 +79,7 @@ class Routes:
         # Not through Ray Client: its server, which may lack this package, would pass them.
         if len(self.nodes) >= tree and not cluster.through_ray_client():
             self.others = tuple(
-                RemoteNode(actors[node.ranks[0]], node.ranks, node.peers)
-                for node in self.nodes[1:]
+                RemoteNode(actors[node.ranks[0]], node.ranks, node.peers) for node in self.nodes[1:]
             )
         self._others_sent = False
         self.handoff = os.environ.get(handoff.SWITCH, "1") != "0" and all(

@@ -216,9 +216,7 @@ class Options:
                 f"max_restarts={self.max_restarts!r}: must be an int >= 0 (0: fail fast)"
             )
         if not (_is_number(self.idle_timeout) and self.idle_timeout > 0):
-            problems.append(
-                f"idle_timeout={self.idle_timeout!r}: must be a number of seconds > 0"
-            )
+            problems.append(f"idle_timeout={self.idle_timeout!r}: must be a number of seconds > 0")
         if not isinstance(self.detach, bool):
             problems.append(
                 f"detach={self.detach!r}: must be True (calls outlive this process) or False"
@@ -312,4 +310,3 @@ def _is_int(value: object) -> bool:
 def _is_number(value: object) -> bool:
     """A finite int or float (not a bool, nan or inf)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-

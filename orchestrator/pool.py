@@ -112,8 +112,15 @@ class Pool:
         """Wait until the placement group is placed (see reserve.wait)."""
         lost_ranks = [r for r, info in enumerate(self.infos) if info.node_id in lost]
         reserve.wait(
-            self.pg, self.request, self.name, timeout=timeout, stop=self._stop,
-            on_phase=self._on_phase, one_node=self._simulated, lost_ranks=lost_ranks, lost=lost,
+            self.pg,
+            self.request,
+            self.name,
+            timeout=timeout,
+            stop=self._stop,
+            on_phase=self._on_phase,
+            one_node=self._simulated,
+            lost_ranks=lost_ranks,
+            lost=lost,
         )
 
     def _wait(self, refs: list[ray.ObjectRef]) -> bool:

@@ -404,8 +404,9 @@ def detached(address: str, _work: Path) -> dict[str, Any]:
     """A detached job: its supervisor runs on the head, which lacks our code too."""
     from orchestrator import get_job, list_jobs
 
-    with distribute(hello, num_replicas=2, replicas_per_node=1, detach=True,
-                    address=address, name="detached") as fn:
+    with distribute(
+        hello, num_replicas=2, replicas_per_node=1, detach=True, address=address, name="detached"
+    ) as fn:
         job = fn.submit()
         result: dict[str, Any] = {"id": job.id, **_outcome(job)}
         again = get_job(job.id, show=False)

@@ -36,7 +36,6 @@ RAY_FIXTURES = frozenset(
 """Fixtures that start Ray or processes: a test that uses one is in the `ray` lane."""
 
 
-
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     """2 nodes x 2 logical GPUs on this machine, the test process connected as driver."""
@@ -65,11 +64,27 @@ def processes() -> None:
 
 
 LONGEST_FIRST = (
-    "test_bare_nodes", "test_snapshot", "test_restarts", "test_detach", "test_local_runtime",
-    "test_stall", "test_clients", "test_failures", "test_cli", "test_straggle",
-    "test_shutdown", "test_shipping", "test_embedded", "test_user_names", "test_examples",
-    "test_jobs", "test_soak", "test_output", "test_notebook", "test_stacks",
-)  # fmt: skip
+    "test_bare_nodes",
+    "test_snapshot",
+    "test_restarts",
+    "test_detach",
+    "test_local_runtime",
+    "test_stall",
+    "test_clients",
+    "test_failures",
+    "test_cli",
+    "test_straggle",
+    "test_shutdown",
+    "test_shipping",
+    "test_embedded",
+    "test_user_names",
+    "test_examples",
+    "test_jobs",
+    "test_soak",
+    "test_output",
+    "test_notebook",
+    "test_stacks",
+)
 """The modules that take longest (their seconds in a full run's `--durations=0`, most
 first; the others follow in their own order). The two test processes take a module each
 in this order, so neither is left with a long one at the end while the other idles."""

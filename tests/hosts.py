@@ -123,14 +123,20 @@ class Hosts:
             'mkdir -m 700 /tmp/home; cd /mnt; exec "$@"'
         )
         carried = [str(p) for p in keep]
-        return self.argv(["sh", "-c", private, "laptop", str(folder), *carried, "--", *argv],
-                         LAPTOP)
+        return self.argv(
+            ["sh", "-c", private, "laptop", str(folder), *carried, "--", *argv], LAPTOP
+        )
 
     def laptop_env(self, **more: str) -> dict[str, str]:
         """The laptop's environment: the token, and nothing that names the nodes' folders."""
         env = {k: v for k, v in self.env.items() if k not in ("RAY_TMPDIR", "PYTHONPATH")}
-        return {**env, "HOME": "/tmp/home", "TMPDIR": "/tmp", "RAY_ADDRESS": self.client_address,
-                **more}
+        return {
+            **env,
+            "HOME": "/tmp/home",
+            "TMPDIR": "/tmp",
+            "RAY_ADDRESS": self.client_address,
+            **more,
+        }
 
     def link(self, host: int, up: bool) -> None:
         """Bring `host`'s link to the bridge up or down."""
@@ -278,9 +284,20 @@ def _make_network(
         _run("ip", "-n", bridge_ns, "link", "set", "br0", "up")
         for i, ns in enumerate(hosts):
             _run(
-                "ip", "-n", bridge_ns, "link", "add", f"p{i}", "type", "veth",
-                "peer", "name", interfaces[i], "netns", ns,
-            )  # fmt: skip
+                "ip",
+                "-n",
+                bridge_ns,
+                "link",
+                "add",
+                f"p{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                interfaces[i],
+                "netns",
+                ns,
+            )
             _run("ip", "-n", bridge_ns, "link", "set", f"p{i}", "master", "br0")
             _run("ip", "-n", bridge_ns, "link", "set", f"p{i}", "up")
             _run("ip", "-n", ns, "addr", "add", f"{ips[i]}/24", "dev", interfaces[i])

@@ -184,8 +184,11 @@ def debugger() -> dict[str, Any]:
                 [sys.executable, "-m", "orchestrator", "attach", f"{host}:{port}"],
                 input="p secret + 1\nc\n",
                 env={**os.environ, "ORCHESTRATOR_DEBUG_TOKEN": secret},
-                capture_output=True, text=True, timeout=60, check=False,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             return {
                 "result": job.result(timeout=60),
                 "host": host,
@@ -218,8 +221,10 @@ def detached() -> dict[str, Any]:
     started = time.monotonic()
     result: dict[str, Any] = {"id": job.id, "result": job.result(timeout=SCENARIO_S)}
     result["seconds_to_result"] = round(time.monotonic() - started, 2)
-    for key, get in (("doomed", lambda: doomed.result(timeout=SCENARIO_S)),
-                     ("doomed_again", lambda: get_job(doomed.id, show=False))):
+    for key, get in (
+        ("doomed", lambda: doomed.result(timeout=SCENARIO_S)),
+        ("doomed_again", lambda: get_job(doomed.id, show=False)),
+    ):
         try:
             result[key] = {"type": None, "result": repr(get())}
         except Exception as exc:  # noqa: BLE001 - what it raised is the result
@@ -234,17 +239,27 @@ def detached() -> dict[str, Any]:
     begun = time.monotonic()
     logs = subprocess.run(
         [sys.executable, "-m", "orchestrator", "logs", job.id],
-        capture_output=True, text=True, timeout=90, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
     result["logs"], result["logs_exit"] = logs.stdout, logs.returncode
     result["logs_stderr"] = logs.stderr[-2000:]
     result["logs_seconds"] = round(time.monotonic() - begun, 2)
     begun = time.monotonic()
     again = subprocess.run(
-        [sys.executable, "-c", f"import orchestrator, json; j = orchestrator.get_job("
-         f"{job.id!r}, show=False); print(json.dumps(j.result(timeout=60)))"],
-        capture_output=True, text=True, timeout=90, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            f"import orchestrator, json; j = orchestrator.get_job("
+            f"{job.id!r}, show=False); print(json.dumps(j.result(timeout=60)))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
     result["again"] = again.stdout.strip().splitlines()[-1:] or again.stderr[-2000:]
     result["again_seconds"] = round(time.monotonic() - begun, 2)
     result["in_process"] = get_job(job.id, show=False).result(timeout=60)
@@ -263,9 +278,13 @@ def tokens() -> dict[str, Any]:
     }.items():
         started = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-c", program], env={**os.environ, **env},
-            capture_output=True, text=True, timeout=90, check=False,
-        )  # fmt: skip
+            [sys.executable, "-c", program],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
         found[case] = {
             "exit": proc.returncode,
             "last": (proc.stderr.strip().splitlines() or [""])[-1],

@@ -171,8 +171,10 @@ _LOCKED_HOOK = _locked_hook()
     [
         ({"num_replicas": 0}, "num_replicas=0: must be an int >= 1"),
         ({"num_replicas": 2.5}, "num_replicas=2.5"),
-        ({"num_replicas": 4, "replicas_per_node": 3},
-         "replicas_per_node=3 does not divide num_replicas=4; valid: 1, 2, 4"),
+        (
+            {"num_replicas": 4, "replicas_per_node": 3},
+            "replicas_per_node=3 does not divide num_replicas=4; valid: 1, 2, 4",
+        ),
         ({"num_replicas": 4, "replicas_per_node": 0}, "replicas_per_node=0"),
         ({"num_replicas": 2, "cpus_per_replica": -1}, "cpus_per_replica=-1"),
         ({"num_replicas": 2, "resources_per_replica": {"GPU": 1}}, "use gpus_per_replica"),
@@ -183,27 +185,45 @@ _LOCKED_HOOK = _locked_hook()
         ({"num_replicas": 2, "timeout": float("inf")}, "timeout=inf"),
         ({"num_replicas": 2, "stall_after": 0}, "stall_after=0: must be a number of seconds"),
         ({"num_replicas": 2, "on_stall": "kill"}, "on_stall='kill': must be 'report'"),
-        ({"num_replicas": 2, "detach": True, "retention": 0},
-         "retention=0: must be a number of seconds > 0, or math.inf"),
+        (
+            {"num_replicas": 2, "detach": True, "retention": 0},
+            "retention=0: must be a number of seconds > 0, or math.inf",
+        ),
         ({"num_replicas": 2, "retention": 60}, "retention=60: only a detached job is kept"),
         ({"num_replicas": 2, "log_dir": 123}, "log_dir=123: must be True"),
-        ({"num_replicas": 2, "runtime_env": {"py_modules": ["gs://b/x.zip", "./no/such"]}},
-         "runtime_env['py_modules'][1]='./no/such': no such file or folder in"),
-        ({"num_replicas": 2, "runtime_env": {"working_dir": "/no/such/dir"}},
-         "runtime_env['working_dir']='/no/such/dir': no such file or folder"),
-        ({"num_replicas": 2, "runtime_env": {"env_var": {"A": "1"}}},
-         "runtime_env['env_var']: not a field Ray knows; did you mean 'env_vars'? (valid: "),
-        ({"num_replicas": 2, "runtime_env": {"env_vars": ["A=1"]}},
-         "runtime_env['env_vars']=['A=1']: must be a dict of names to values"),
-        ({"num_replicas": 2, "runtime_env": {"env_vars": {"A": 1}}},
-         "runtime_env['env_vars']['A']=1: names and values must be strings"),
-        ({"num_replicas": 2, "runtime_env": {"worker_process_setup_hook": _LOCKED_HOOK}},
-         "cannot be pickled to reach the ranks (TypeError: cannot pickle '_thread.lock'"),
-        ({"num_replicas": 2, "runtime_env": {"worker_process_setup_hook": 3}},
-         "runtime_env['worker_process_setup_hook']=3: must be a function, or a module's"),
+        (
+            {"num_replicas": 2, "runtime_env": {"py_modules": ["gs://b/x.zip", "./no/such"]}},
+            "runtime_env['py_modules'][1]='./no/such': no such file or folder in",
+        ),
+        (
+            {"num_replicas": 2, "runtime_env": {"working_dir": "/no/such/dir"}},
+            "runtime_env['working_dir']='/no/such/dir': no such file or folder",
+        ),
+        (
+            {"num_replicas": 2, "runtime_env": {"env_var": {"A": "1"}}},
+            "runtime_env['env_var']: not a field Ray knows; did you mean 'env_vars'? (valid: ",
+        ),
+        (
+            {"num_replicas": 2, "runtime_env": {"env_vars": ["A=1"]}},
+            "runtime_env['env_vars']=['A=1']: must be a dict of names to values",
+        ),
+        (
+            {"num_replicas": 2, "runtime_env": {"env_vars": {"A": 1}}},
+            "runtime_env['env_vars']['A']=1: names and values must be strings",
+        ),
+        (
+            {"num_replicas": 2, "runtime_env": {"worker_process_setup_hook": _LOCKED_HOOK}},
+            "cannot be pickled to reach the ranks (TypeError: cannot pickle '_thread.lock'",
+        ),
+        (
+            {"num_replicas": 2, "runtime_env": {"worker_process_setup_hook": 3}},
+            "runtime_env['worker_process_setup_hook']=3: must be a function, or a module's",
+        ),
         # A huge count: a few divisors, found at once, in a short message.
-        ({"num_replicas": 10**12, "replicas_per_node": 7},
-         "valid: 1, 2, 4, 5, 8, 10, 16, ... 1000000000000 (169 in all)"),
+        (
+            {"num_replicas": 10**12, "replicas_per_node": 7},
+            "valid: 1, 2, 4, 5, 8, 10, 16, ... 1000000000000 (169 in all)",
+        ),
     ],
 )
 def test_bad_arguments_name_the_value_and_what_is_valid(kwargs, fragment):

@@ -518,9 +518,21 @@ def cli_job(two_hosts: Hosts, project: Path) -> Iterator[CliJob]:
     folder = write(project / "cli", {"train.py": TRAIN})
     go = project / "cli-go"
     run = [
-        sys.executable, "-m", "orchestrator", "run", "--address", h.address,
-        "--nnodes", "2", "--nproc-per-node", "1", "--name", "clijob", "train.py", str(go),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "run",
+        "--address",
+        h.address,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--name",
+        "clijob",
+        "train.py",
+        str(go),
+    ]
     proc = subprocess.Popen(
         h.argv(run),
         cwd=folder,
@@ -641,9 +653,12 @@ def _cut_link(hosts: Hosts, link: dict[str, Any], folder: Path) -> None:
     (folder / "link-down").touch()
     for host, peer in ((0, laptop), (LAPTOP, head)):
         killed = subprocess.run(
-            hosts.argv(["ss", "-K", "dst", peer], host), capture_output=True, text=True,
-            timeout=30, check=False,
-        )  # fmt: skip
+            hosts.argv(["ss", "-K", "dst", peer], host),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         link.setdefault("closed", []).append(max(0, killed.stdout.count("\n") - 1))
     time.sleep(LINK_DOWN_S)
     hosts.link(LAPTOP, up=True)
@@ -661,8 +676,9 @@ def laptop(two_hosts: Hosts, project: Path, report: Report) -> LaptopReport:
     shutil.copy(SCENARIOS, folder / SCENARIOS.name)
     shutil.copy(project / "readme_example.py", folder / "readme_example.py")
     argv = h.laptop_argv([sys.executable, LAPTOP_DRIVER.name, "/mnt/report.json"], folder)
-    env = h.laptop_env(RAY_CLIENT_RECONNECT_GRACE_PERIOD=str(GRACE_S),
-                       LAPTOP_HOST_FOLDER=str(folder))
+    env = h.laptop_env(
+        RAY_CLIENT_RECONNECT_GRACE_PERIOD=str(GRACE_S), LAPTOP_HOST_FOLDER=str(folder)
+    )
     link: dict[str, Any] = {}
     started = time.monotonic()
     with (folder / "out.log").open("w") as out, (folder / "err.log").open("w") as err:

@@ -270,11 +270,23 @@ def test_torchrun_spellings_on_this_machine_and_what_is_refused(processes, tmp_p
     ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's socket paths must be short
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "orchestrator.run", "--standalone", "--nnodes", "2",
-             "--nproc-per-node", "1", str(script)],
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.run",
+                "--standalone",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                str(script),
+            ],
             cwd=here,
             env={**cli_env(tmp_path), "RAY_ADDRESS": "10.9.9.9:6379", "RAY_TMPDIR": ray_tmp},
-            capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
         )
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -302,17 +314,25 @@ def test_sigterm_stops_every_rank_and_says_so_in_one_line(processes, tmp_path):
     """`timeout` or a scheduler ends `orchestrator run` with SIGTERM: every rank is stopped,
     one line says so, and the exit status is a shell's for SIGTERM (Ray's crash reporter
     printed six lines of `*** SIGTERM received ***` and addresses)."""
-    write(tmp_path, {"wait.py": """\
+    write(
+        tmp_path,
+        {
+            "wait.py": """\
         import os, time
         print("PID", os.getpid(), flush=True)
         time.sleep(120)
-    """})  # fmt: skip
+    """
+        },
+    )
     ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's socket paths must be short
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "run", "--standalone", "--nproc", "2", "wait.py"],
-        cwd=tmp_path, env={**cli_env(tmp_path), "RAY_TMPDIR": ray_tmp}, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env={**cli_env(tmp_path), "RAY_TMPDIR": ray_tmp},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert proc.stdout is not None
         pids = [int(line.split()[-1]) for _, line in zip(range(2), proc.stdout, strict=False)]
@@ -420,7 +440,12 @@ def test_torchrun_s_contract_variables_and_record_reports(processes, tmp_path):
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+            argv,
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
             check=False,
         )
 

@@ -77,8 +77,17 @@ def test_a_client_library_runs_unchanged(client, torchrun_results, cluster, tmp_
             results = tmp_path / layout.replace(" ", "")
             results.mkdir()
             argv = [
-                sys.executable, "-m", "orchestrator", "run", "--address", cluster.address,
-                *layout.split(), "--env", "OMP_NUM_THREADS=1", "--env", f"RESULT_DIR={results}",
+                sys.executable,
+                "-m",
+                "orchestrator",
+                "run",
+                "--address",
+                cluster.address,
+                *layout.split(),
+                "--env",
+                "OMP_NUM_THREADS=1",
+                "--env",
+                f"RESULT_DIR={results}",
                 f"{client}.py",
             ]
             launched[layout] = (results, pool.submit(_run, argv, results))

@@ -145,8 +145,12 @@ def test_a_runtime_env_s_setup_hook_runs_in_every_rank(cluster):
     ranks cannot import: it goes by value, as the call's function does (by name, Ray's
     worker failed to load it and died)."""
     given = {"worker_process_setup_hook": set_up_by_hook, "env_vars": {"A": "1"}}
-    fn = distribute(lambda: (os.environ.get("SET_UP_BY"), os.environ.get("A")),
-                    num_replicas=2, log_dir=False, runtime_env=given)
+    fn = distribute(
+        lambda: (os.environ.get("SET_UP_BY"), os.environ.get("A")),
+        num_replicas=2,
+        log_dir=False,
+        runtime_env=given,
+    )
     try:
         assert fn() == [("the hook", "1")] * 2
     finally:

@@ -77,8 +77,12 @@ def test_an_address_where_no_ray_answers_fails_within_seconds(processes, tmp_pat
     script.write_text(UNREACHABLE)
     with http2_server("404", "text/html") as web:
         proc = subprocess.run(
-            [sys.executable, str(script), web], env=_env(), capture_output=True, text=True,
-            timeout=120, check=False,
+            [sys.executable, str(script), web],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -102,9 +106,23 @@ def test_the_command_line_fails_fast_on_an_unreachable_address(processes, tmp_pa
     (tmp_path / "train.py").write_text("print('never')\n")
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", "--address", "127.0.0.1:1", "--nproc",
-         "1", "train.py"],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "run",
+            "--address",
+            "127.0.0.1:1",
+            "--nproc",
+            "1",
+            "train.py",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert time.monotonic() - started < 60  # no hang; the probe's words below: no Ray retries
     assert proc.returncode == 1, proc.stderr
@@ -182,9 +200,7 @@ def test_ray_s_refusal_of_another_ray_or_python_is_said_in_one_line():
     from ray._private.utils import check_version_info
 
     with pytest.raises(RuntimeError) as refused:
-        check_version_info(
-            {"ray_version": "2.59.0", "python_version": "3.10.14"}, "node 10.0.0.9"
-        )
+        check_version_info({"ray_version": "2.59.0", "python_version": "3.10.14"}, "node 10.0.0.9")
     error = refusals.version_mismatch(str(refused.value), "10.0.0.1:6379")
     assert error is not None
     here = ".".join(map(str, sys.version_info[:3]))
@@ -226,8 +242,10 @@ def test_a_call_between_two_ray_client_sessions_counts_as_a_lost_session(monkeyp
     a follower to `rejoin` (which waits for the thread making it), not to an error."""
     monkeypatch.setattr(cluster, "_joined", "ray://head:10001")
     monkeypatch.setattr(cluster, "_broken", False)
-    for words in ("Ray Client is not connected. Please connect by calling `ray.init`.",
-                  "Ray has not been started yet. You can start Ray with 'ray.init()'."):
+    for words in (
+        "Ray Client is not connected. Please connect by calling `ray.init`.",
+        "Ray has not been started yet. You can start Ray with 'ray.init()'.",
+    ):
         assert cluster.lost_session(Exception(words)), words
     assert not cluster.lost_session(RuntimeError("the rank's own error"))
     monkeypatch.setattr(cluster, "_joined", "10.0.0.1:6379")  # a node: no sessions
@@ -273,11 +291,21 @@ def test_ray_start_head_then_an_address_just_works_with_the_token_at_hand(proces
         port = free.getsockname()[1]
     ray_cli = str(Path(sys.executable).with_name("ray"))
     head = subprocess.Popen(
-        [ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-         "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats"],
+        [
+            ray_cli,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--node-ip-address=127.0.0.1",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
         env={**env, "RAY_AUTH_MODE": "token"},  # its own drain at SIGTERM needs it too
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "head.log").open("w"),
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "head.log").open("w"),
+    )
     script = tmp_path / "driver.py"
     script.write_text(TOKEN_AT_HAND)
     address = f"127.0.0.1:{port}"
@@ -288,11 +316,16 @@ def test_ray_start_head_then_an_address_just_works_with_the_token_at_hand(proces
             time.sleep(0.2)
         runs = {
             who: subprocess.run(
-                [sys.executable, str(script), address], env={**env, "HOME": str(where)},
-                cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+                [sys.executable, str(script), address],
+                env={**env, "HOME": str(where)},
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
             )
             for who, where in (("owner", home), ("stranger", empty))
-        }  # fmt: skip
+        }
     finally:
         head.terminate()
         head.wait(timeout=60)
@@ -301,7 +334,8 @@ def test_ray_start_head_then_an_address_just_works_with_the_token_at_hand(proces
     assert "ranks [0, 1]" in owner.stdout, owner.stdout + owner.stderr
     assert "InvalidAuthToken" not in owner.stderr, owner.stderr
     said = stranger.stdout.splitlines()[0]
-    assert said.startswith(f"unreachable the Ray cluster at address='{address}' refused a "
-                           "driver without its token"), stranger.stdout + stranger.stderr
+    assert said.startswith(
+        f"unreachable the Ray cluster at address='{address}' refused a driver without its token"
+    ), stranger.stdout + stranger.stderr
     assert "~/.ray/auth_token" in said and "RAY_AUTH_TOKEN" in said
     assert "gcs_client.cc" not in stranger.stderr, stranger.stderr  # none of Ray's retries

@@ -157,7 +157,10 @@ def test_breakpoint_on_one_rank_opens_a_debugger_the_driver_can_attach_to(cluste
     _intrude(host, port)  # the rank keeps waiting for the real client
     assert job.status().ranks[1].state == "waiting for a debugger" and not job.done()
     transcript = _talk(
-        host, port, token, ["p secret + 1", "c"],
+        host,
+        port,
+        token,
+        ["p secret + 1", "c"],
         on_prompt=lambda: _rank_state(job, 1, "in a debugger"),
     )
     assert job.result(timeout=60) == [42, 42]

@@ -65,7 +65,10 @@ print("DONE", flush=True)
 def test_a_detached_job_outlives_its_killed_driver_and_is_got_back_whole(cluster, capfd):
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER.format(address=cluster.address, lines=LINES)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         said = first = driver.stdout.readline()
@@ -101,15 +104,20 @@ def test_a_detached_job_outlives_its_killed_driver_and_is_got_back_whole(cluster
 
 
 def test_cancel_from_another_process_stops_the_ranks(cluster, capfd):
-    fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
-                    address=cluster.address)
+    fn = distribute(
+        count, num_replicas=2, replicas_per_node=1, detach=True, address=cluster.address
+    )
     job = fn.submit(10_000, 0.1)
     wait_for(job.running, 60, "the detached job running")
     with pytest.raises(InvalidStateError, match=f"job {job.id} is still running"):
         job.release()  # forgets only a finished job's result and output
     stop = subprocess.run(
         [sys.executable, "-m", "orchestrator", "stop", job.id, "--address", cluster.address],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert stop.returncode == 0, stop.stderr
     assert f"stopped job {job.id}" in stop.stdout
@@ -119,7 +127,11 @@ def test_cancel_from_another_process_stops_the_ranks(cluster, capfd):
     assert f"job {job.id} was stopped elsewhere" in capfd.readouterr().err
     listed = subprocess.run(
         [sys.executable, "-m", "orchestrator", "jobs", "--address", cluster.address],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert job.id in listed.stdout and "cancelled" in listed.stdout, listed.stdout
     job.release()
@@ -129,17 +141,18 @@ def test_cancel_from_another_process_stops_the_ranks(cluster, capfd):
 
 
 def test_orchestrator_logs_prints_every_line_and_one_rank_whole(cluster, capfd):
-    fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
-                    address=cluster.address)
+    fn = distribute(
+        count, num_replicas=2, replicas_per_node=1, detach=True, address=cluster.address
+    )
     job = fn.submit(LINES, 0.0)
     assert job.result(timeout=60) == [0, 10]
     cli = [sys.executable, "-m", "orchestrator", "logs", job.id, "--address", cluster.address]
-    every = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                           check=False)
+    every = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert every.returncode == 0, every.stderr
     assert _every_line_once(every.stdout, 0) and _every_line_once(every.stdout, 1), every.stdout
-    one = subprocess.run([*cli, "--rank", "1"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=False)
+    one = subprocess.run(
+        [*cli, "--rank", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
     assert one.stdout == "".join(f"rank 1 line {i}\n" for i in range(LINES)), one.stdout
     # A job submitted by another version of the product says so when it is got back.
     with pytest.MonkeyPatch.context() as patch:
@@ -175,8 +188,9 @@ def fail_on_rank_1() -> int:
 
 
 def test_a_rank_s_error_is_raised_with_its_root_cause_as_a_live_call_s(cluster):
-    with distribute(fail_on_rank_1, num_replicas=2, replicas_per_node=1, detach=True,
-                    address=cluster.address) as fn:
+    with distribute(
+        fail_on_rank_1, num_replicas=2, replicas_per_node=1, detach=True, address=cluster.address
+    ) as fn:
         with pytest.raises(DistributedError) as raised:
             fn()
         assert isinstance(raised.value, ValueError)  # the root cause's own type too
@@ -208,8 +222,14 @@ def test_a_setup_hook_defined_in_the_driver_runs_in_a_detached_function_s_ranks(
     local object", or, for a script's function, "Can't get attribute 'hook' on
     __main__")."""
     env = {"worker_process_setup_hook": _hook_setting("the hook")}
-    with distribute(set_up_by, num_replicas=2, replicas_per_node=1, detach=True,
-                    address=cluster.address, runtime_env=env) as fn:
+    with distribute(
+        set_up_by,
+        num_replicas=2,
+        replicas_per_node=1,
+        detach=True,
+        address=cluster.address,
+        runtime_env=env,
+    ) as fn:
         job = fn.submit()
         assert job.result() == ["the hook"] * 2
         job.release()
@@ -229,8 +249,14 @@ def test_a_warm_pool_s_key_knows_a_setup_hook_by_its_pickle_not_its_address():
 def test_a_short_blocking_call_comes_back_with_its_submit(cluster, capfd, monkeypatch):
     """A blocking call that ends within the supervisor's first wait comes back whole in its
     submit's answer: one Ray call, no thread started to follow it."""
-    with distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
-                    address=cluster.address, fold_output=False) as fn:
+    with distribute(
+        count,
+        num_replicas=2,
+        replicas_per_node=1,
+        detach=True,
+        address=cluster.address,
+        fold_output=False,
+    ) as fn:
         capfd.readouterr()
         assert fn(3, 0.0) == [0, 10]  # starts the ranks: longer than the first wait
         out, err = capfd.readouterr()
@@ -257,18 +283,29 @@ def test_a_short_blocking_call_comes_back_with_its_submit(cluster, capfd, monkey
     wait_resources_back(timeout=30)
 
 
-def test_a_refusal_is_raised_and_a_call_after_the_supervisor_ended_idle_starts_anew(
-    cluster, capfd
-):
+def test_a_refusal_is_raised_and_a_call_after_the_supervisor_ended_idle_starts_anew(cluster, capfd):
     """What the supervisor refuses is raised in the driver before any rank starts. A
     supervisor whose pool went idle and whose jobs were all released (here: their
     retention ran out) ends; the function's next call starts a new one, and says so."""
-    never = distribute(pid, num_replicas=3, replicas_per_node=3, detach=True, idle_timeout=1,
-                       address=cluster.address)
+    never = distribute(
+        pid,
+        num_replicas=3,
+        replicas_per_node=3,
+        detach=True,
+        idle_timeout=1,
+        address=cluster.address,
+    )
     with never, pytest.raises(PlacementError, match="GPU: 2"):
         never()
-    with distribute(count, num_replicas=2, replicas_per_node=1, detach=True, idle_timeout=1,
-                    retention=1, address=cluster.address) as fn:
+    with distribute(
+        count,
+        num_replicas=2,
+        replicas_per_node=1,
+        detach=True,
+        idle_timeout=1,
+        retention=1,
+        address=cluster.address,
+    ) as fn:
         assert fn(0, 0.0) == [0, 10]
         kept = testing.last_job(fn)  # not released: kept for its retention, 1 s
         ended = testing.supervisor(fn)
@@ -297,7 +334,10 @@ fn({lines}, 0.1)
 def test_ctrl_c_stops_following_not_the_job(cluster):
     driver = subprocess.Popen(
         [sys.executable, "-c", INTERRUPTED.format(address=cluster.address, lines=LINES)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
     seen = ""
@@ -315,8 +355,9 @@ def test_ctrl_c_stops_following_not_the_job(cluster):
 
 
 def test_losing_the_supervisor_fails_the_job_clearly_and_its_ranks_go(cluster):
-    fn = distribute(count, num_replicas=2, replicas_per_node=1, detach=True,
-                    address=cluster.address)
+    fn = distribute(
+        count, num_replicas=2, replicas_per_node=1, detach=True, address=cluster.address
+    )
     job = fn.submit(10_000, 0.1)
     wait_for(job.running, 60, "the detached job running")
     ray.kill(ray.get_actor(job.record.supervisor, namespace=NAMESPACE))
@@ -328,11 +369,23 @@ def test_losing_the_supervisor_fails_the_job_clearly_and_its_ranks_go(cluster):
     lost = [info for info in list_jobs() if info.id == job.record.supervisor]
     assert [info.state for info in lost] == ["lost"], list_jobs()
     cli = [sys.executable, "-m", "orchestrator"]
-    listed = subprocess.run([*cli, "jobs", "--address", cluster.address], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, check=False)
+    listed = subprocess.run(
+        [*cli, "jobs", "--address", cluster.address],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert re.search(rf"^{job.record.supervisor} +lost +- ", listed.stdout, re.M), listed.stdout
-    forgot = subprocess.run([*cli, "stop", job.record.supervisor, "--address", cluster.address],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    forgot = subprocess.run(
+        [*cli, "stop", job.record.supervisor, "--address", cluster.address],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert "its record is removed" in forgot.stdout, forgot.stdout + forgot.stderr
     assert job.record.supervisor not in {info.id for info in list_jobs()}
     with pytest.raises(ConfigError, match="no detached job"):
@@ -352,8 +405,15 @@ def test_detach_without_a_lasting_ray_is_refused_before_anything_starts(processe
             print(type(exc).__name__, exc)
         print("RAY", ray.is_initialized())
     """)
-    ran = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120, check=False)
+    ran = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert "ConfigError detach=True needs a Ray that outlives this process" in ran.stdout
     assert "orchestrator local start" in ran.stdout
     assert "RAY False" in ran.stdout, ran.stdout + ran.stderr
@@ -366,7 +426,8 @@ def test_detach_must_be_a_bool():
 
 def _supervisors() -> list[str]:
     return [
-        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
         if a["namespace"] == NAMESPACE and a["name"].startswith("supervisor-")
     ]
 
@@ -385,7 +446,11 @@ job.release()
 def _later_driver(address: str, env: dict[str, str]) -> tuple[list[int], str]:
     ran = subprocess.run(
         [sys.executable, "-c", LATER.format(address=address, env=env)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert ran.returncode == 0, ran.stderr
     pids = [int(p) for p in ran.stdout.split("PIDS [", 1)[1].split("]", 1)[0].split(",")]
@@ -400,8 +465,14 @@ def test_a_later_driver_that_asks_for_the_same_pool_gets_its_warm_ranks(cluster)
     other, said = _later_driver(cluster.address, {"SEED": "1"})  # another env: its own
     assert set(other).isdisjoint(first) and "using the warm ranks" not in said
     cli = [sys.executable, "-m", "orchestrator"]
-    listed = subprocess.run([*cli, "jobs", "--address", cluster.address], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, check=False)
+    listed = subprocess.run(
+        [*cli, "jobs", "--address", cluster.address],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     pools = listed.stdout.split("warm pools", 1)[-1]
     held = [line.split()[0] for line in pools.splitlines() if "2 CPU, 2 GPU" in line]
     assert len(held) == 2, listed.stdout  # what each holds while it waits
@@ -409,8 +480,14 @@ def test_a_later_driver_that_asks_for_the_same_pool_gets_its_warm_ranks(cluster)
     assert set(held) <= set(waiting), (held, waiting)
     assert waiting[held[0]].holds == {"CPU": 2.0, "GPU": 2.0}, waiting[held[0]]
     assert waiting[held[0]].idle_timeout == 20 and waiting[held[0]].ranks == 2
-    stopped = subprocess.run([*cli, "stop", held[1], "--address", cluster.address], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120, check=False)
+    stopped = subprocess.run(
+        [*cli, "stop", held[1], "--address", cluster.address],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert "releases its warm pool" in stopped.stdout, stopped.stdout + stopped.stderr
     # The other goes after its idle_timeout (20 s) without a call; then both supervisors.
     wait_resources_back(timeout=60)

@@ -14,13 +14,10 @@ from tests.detached_work import LAYOUT, rank_and, warm
 from tests.helpers import ROOT, wait_resources_back
 
 
-def test_a_warm_call_goes_to_the_ranks_directly_and_is_kept_as_any_detached_job(
-    cluster, tmp_path
-):
+def test_a_warm_call_goes_to_the_ranks_directly_and_is_kept_as_any_detached_job(cluster, tmp_path):
     """queue=False: a call's notice may come while the supervisor still files the last
     call's results; it is never refused as busy (the call runs already)."""
-    with distribute(rank_and, **LAYOUT,
-                    address=cluster.address, max_restarts=1, queue=False) as fn:
+    with distribute(rank_and, **LAYOUT, address=cluster.address, max_restarts=1, queue=False) as fn:
         warm(fn)
         with testing.sent_to_supervisor(fn) as sent:
             ids = []
@@ -55,12 +52,14 @@ print("OK", flush=True)
 def test_two_drivers_on_one_warm_pool_each_get_their_own_calls(cluster):
     """The supervisor lends the pool to one driver at a time: a driver's call never
     replaces another's or runs beside it, whichever driver holds the lease."""
-    with distribute(rank_and, **LAYOUT,
-                    address=cluster.address, name="shared", queue=True) as fn:
+    with distribute(rank_and, **LAYOUT, address=cluster.address, name="shared", queue=True) as fn:
         warm(fn)
         other = subprocess.Popen(
             [sys.executable, "-c", TWO.format(address=cluster.address)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         try:
             mine = 0
@@ -92,7 +91,10 @@ def test_a_driver_killed_during_its_direct_call_leaves_the_job_to_the_supervisor
     after a while, takes the call over, and keeps its result for whoever asks."""
     driver = subprocess.Popen(
         [sys.executable, "-c", KILLED.format(address=cluster.address)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         out, _ = driver.communicate(timeout=120)
@@ -109,8 +111,7 @@ def test_a_driver_killed_during_its_direct_call_leaves_the_job_to_the_supervisor
 def test_a_lease_on_a_pool_released_meanwhile_costs_only_a_new_start(cluster):
     """The driver holds a lease when the pool goes idle (and then its supervisor, with no
     job kept): the next call starts a pool anew, as any first call."""
-    with distribute(rank_and, **LAYOUT, address=cluster.address, idle_timeout=1,
-                    retention=1) as fn:
+    with distribute(rank_and, **LAYOUT, address=cluster.address, idle_timeout=1, retention=1) as fn:
         warm(fn)
         testing.last_job(fn).release()
         wait_resources_back(timeout=30)  # the ranks went idle, then the supervisor

@@ -129,13 +129,15 @@ ONE_RANK = textwrap.dedent("""\
 """)
 
 
-def _run(
-    env: dict[str, str], tmp: Path, source: str = SCRIPT
-) -> subprocess.CompletedProcess[str]:
+def _run(env: dict[str, str], tmp: Path, source: str = SCRIPT) -> subprocess.CompletedProcess[str]:
     script = tmp / "used_by.py"
     script.write_text(source)
     return subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180,
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
         check=False,
     )
 

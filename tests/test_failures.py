@@ -24,9 +24,15 @@ from tests.helpers import cli, show, wait_resources_back, write
 
 def _failure(rank, when, exc, message=None):
     return RankFailure(
-        rank=rank, local_rank=rank % 2, node_ip="10.0.0.1", hostname="h", pid=100 + rank,
-        time=when, exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        message=message or str(exc), traceback=f'  File "train.py", line 7\n{exc!r}\n',
+        rank=rank,
+        local_rank=rank % 2,
+        node_ip="10.0.0.1",
+        hostname="h",
+        pid=100 + rank,
+        time=when,
+        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        message=message or str(exc),
+        traceback=f'  File "train.py", line 7\n{exc!r}\n',
         exception=cloudpickle.dumps(exc),
     )
 
@@ -197,8 +203,13 @@ def test_a_rank_that_dies_while_its_pool_starts_is_named_with_where_and_why(clus
     mark, killed = uuid.uuid4().hex, []
     killer = threading.Thread(target=_kill_first_starting_rank, args=(mark, killed))
     killer.start()
-    fn = distribute(_uses_torch, num_replicas=2, replicas_per_node=1, log_dir=False,
-                    runtime_env={"env_vars": {"DIE_MARK": mark}})
+    fn = distribute(
+        _uses_torch,
+        num_replicas=2,
+        replicas_per_node=1,
+        log_dir=False,
+        runtime_env={"env_vars": {"DIE_MARK": mark}},
+    )
     try:
         with pytest.raises(DistributedError) as info:
             fn()
@@ -222,8 +233,13 @@ def test_a_runtime_env_that_cannot_be_set_up_names_the_ranks_and_ray_s_reason(cl
     """Ray's RuntimeEnvSetupError came raw, naming no rank and no node: now a
     DistributedError that is also a RuntimeEnvSetupError, naming each rank, its node, the
     setup's own last word and what to change; everything is released."""
-    fn = distribute(os.getpid, num_replicas=2, replicas_per_node=1, log_dir=False,
-                    runtime_env={"conda": "orchestrator-no-such-env"})
+    fn = distribute(
+        os.getpid,
+        num_replicas=2,
+        replicas_per_node=1,
+        log_dir=False,
+        runtime_env={"conda": "orchestrator-no-such-env"},
+    )
     with pytest.raises(RuntimeEnvSetupError) as info:
         fn()
     error = info.value
@@ -251,16 +267,23 @@ def broken_hook() -> None:
 def test_a_setup_hook_that_raises_is_named_with_its_traceback(cluster):
     """Ray ends a rank's process whose setup hook raised: that was "died without a word:
     killed by a signal ...". Now the hook is named, with what it raised and where."""
-    fn = distribute(os.getpid, num_replicas=2, replicas_per_node=1, log_dir=False,
-                    runtime_env={"worker_process_setup_hook": broken_hook})
+    fn = distribute(
+        os.getpid,
+        num_replicas=2,
+        replicas_per_node=1,
+        log_dir=False,
+        runtime_env={"worker_process_setup_hook": broken_hook},
+    )
     with pytest.raises(DistributedError) as info:
         fn()
     error = info.value
     assert sorted(f.rank for f in error.failures) == [0, 1], str(error)
     first = str(error).splitlines()[0]
     assert f"rank {error.root_cause.rank} (local rank 0) on " in first, first
-    assert "raised RuntimeError: its runtime_env's worker_process_setup_hook failed as its " \
+    assert (
+        "raised RuntimeError: its runtime_env's worker_process_setup_hook failed as its "
         "process started, before the function ran: the hook broke. Fix the hook" in first
+    )
     assert 'raise RuntimeError("the hook broke")' in str(error)  # the hook's own traceback
     assert "without a word" not in str(error)
     wait_resources_back()

@@ -43,9 +43,21 @@ def _facts(lines: str) -> list[dict]:
 
 def _torchrun(ranks: int, env: dict[str, str]) -> list[dict]:
     proc = subprocess.run(  # as from a terminal, however this suite was started
-        default_sigint([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={ranks}", str(PROBE)]),
-        env=env, capture_output=True, text=True, timeout=180, check=False,
+        default_sigint(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+                str(PROBE),
+            ]
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     return _facts(proc.stdout)
@@ -65,7 +77,11 @@ def fresh_env():
 def test_a_rank_inherits_what_a_torchrun_worker_does(fresh_env):
     ours = subprocess.run(
         default_sigint([sys.executable, str(PROBE), "1", "2"]),
-        env=fresh_env, capture_output=True, text=True, timeout=240, check=False,
+        env=fresh_env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert ours.returncode == 0, ours.stderr
     by_world = {ranks: [f for f in _facts(ours.stdout) if f["world"] == ranks] for ranks in (1, 2)}
@@ -74,8 +90,17 @@ def test_a_rank_inherits_what_a_torchrun_worker_does(fresh_env):
         assert len(rank_facts) == len(theirs) == ranks
         for mine, worker in zip(rank_facts, theirs, strict=True):
             # The same priority, CPUs and torch threads: 1 each when a node runs several.
-            for key in ("niceness", "affinity", "torch_threads", "interop_threads",
-                        "start_method", "umask", "flags", "rlimits", "pool_map"):
+            for key in (
+                "niceness",
+                "affinity",
+                "torch_threads",
+                "interop_threads",
+                "start_method",
+                "umask",
+                "flags",
+                "rlimits",
+                "pool_map",
+            ):
                 assert mine[key] == worker[key], (ranks, key, mine[key], worker[key])
             differ = {
                 name for name, how in worker["signals"].items() if mine["signals"][name] != how
@@ -88,7 +113,8 @@ def test_a_rank_inherits_what_a_torchrun_worker_does(fresh_env):
             assert child["threads"] == their_child["threads"] == 1
             assert child["pipe_ends"] == their_child["pipe_ends"] == 0
             differ = {
-                name for name, how in their_child["signals"].items()
+                name
+                for name, how in their_child["signals"].items()
                 if child["signals"][name] != how
             }
             assert differ <= set(FATAL), (differ, child["signals"])

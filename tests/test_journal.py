@@ -26,8 +26,11 @@ def test_pages_come_in_arrival_order_across_ranks_from_any_position():
     journal.write(0, _chunks("a1\n", start=2), now=3.0)
     page = journal.read()
     assert [(e.rank, e.chunk.data, e.at) for e in page.entries] == [
-        (0, b"a0\n", 1.0), (1, b"b0\n", 2.0), (1, b"b1\n", 2.5), (0, b"a1\n", 3.0)
-    ]  # fmt: skip
+        (0, b"a0\n", 1.0),
+        (1, b"b0\n", 2.0),
+        (1, b"b1\n", 2.5),
+        (0, b"a1\n", 3.0),
+    ]
     assert page.next == journal.position == 4 and not page.dropped
     later = journal.read(after=2, limit=1)
     assert [e.chunk.data for e in later.entries] == [b"b1\n"] and later.next == 3

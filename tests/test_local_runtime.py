@@ -339,7 +339,13 @@ def test_an_idle_runtime_stops_itself(private_env: tuple[dict[str, str], Path]) 
     # Long enough for the next driver to connect on a busy machine; shorter than a spare's
     # start there (its torch import), which must not count as idle time.
     started = rt.cli(
-        "start", "--spares", "1", "--port", str(_free_port()), "--idle-timeout", str(IDLE_S),
+        "start",
+        "--spares",
+        "1",
+        "--port",
+        str(_free_port()),
+        "--idle-timeout",
+        str(IDLE_S),
         timeout=180,
     )
     assert started.returncode == 0, started.stdout + started.stderr
@@ -376,8 +382,14 @@ def _detached_job_outlives_its_driver(rt: Runtime, spares: set[int]) -> None:
     folder.mkdir(exist_ok=True)
     (folder / "detached.py").write_text(DETACHED)
     driver = [sys.executable, str(folder / "detached.py")]
-    first = subprocess.Popen([*driver, "submit", str(go)], cwd=rt.tmp, env=rt.env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [*driver, "submit", str(go)],
+        cwd=rt.tmp,
+        env=rt.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = first.stdout.readline()
         assert line.startswith("JOB "), line + first.stderr.read()
@@ -396,9 +408,15 @@ def _detached_job_outlives_its_driver(rt: Runtime, spares: set[int]) -> None:
     assert _alive(rank_pid), "the detached job's rank ended with its driver"
     go.touch()
     (rt.tmp / "go2").touch()
-    second = subprocess.run([*driver, "back", job_id, str(rt.tmp / "go2")], cwd=rt.tmp,
-                            env=rt.env, capture_output=True, text=True, timeout=120,
-                            check=False)
+    second = subprocess.run(
+        [*driver, "back", job_id, str(rt.tmp / "go2")],
+        cwd=rt.tmp,
+        env=rt.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert second.returncode == 0, second.stdout + second.stderr
     assert f"BACK [{rank_pid}]\n" in second.stdout, second.stdout + second.stderr
     assert f"AGAIN [{rank_pid}]\n" in second.stdout, second.stdout + second.stderr

@@ -15,9 +15,7 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parent.parent
 
 CELLS = [
-    "import os, sys\n"
-    f"sys.path.insert(0, {str(ROOT)!r})\n"
-    "from orchestrator import distribute",
+    f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom orchestrator import distribute",
     "def greet(word):\n"
     "    import torch.distributed as dist\n"
     "    dist.init_process_group('gloo')\n"
@@ -41,17 +39,14 @@ CELLS = [
     "job = train.submit('later')\n"
     "print('submitted')",
     "print('working meanwhile')",
-    "print(job.result())\n"
-    "train.shutdown()",
+    "print(job.result())\ntrain.shutdown()",
     # The stop button (nbclient interrupts the kernel when this cell's time is up).
     "def stuck():\n"
     "    import time\n"
     "    time.sleep(300)\n"
     "stuck_fn = distribute(stuck, num_replicas=2, replicas_per_node=1, name='stuck')\n"
     "stuck_fn()",
-    "stuck_fn.fn = os.getpid\n"
-    "print(len(stuck_fn()))\n"
-    "stuck_fn.shutdown()",
+    "stuck_fn.fn = os.getpid\nprint(len(stuck_fn()))\nstuck_fn.shutdown()",
     # A driver message from the runner thread (through logging) lands in the calling cell.
     "def flaky():\n"
     "    if os.environ['RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"

@@ -20,7 +20,12 @@ from tests.helpers import GPUS_PER_NODE, wait_resources_back
 def test_layout_is_contiguous_per_node():
     slots = placement.layout(6, 3)
     assert [(s.rank, s.node_rank, s.local_rank) for s in slots] == [
-        (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0), (4, 1, 1), (5, 1, 2),
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 0, 2),
+        (3, 1, 0),
+        (4, 1, 1),
+        (5, 1, 2),
     ]
 
 
@@ -38,8 +43,9 @@ def test_default_replicas_per_node_follows_gpus():
 
 
 def test_request_bundle_scales_per_node():
-    req = placement.Request(4, 2, cpus_per_replica=1, gpus_per_replica=1,
-                            resources_per_replica={"nvlink": 1})
+    req = placement.Request(
+        4, 2, cpus_per_replica=1, gpus_per_replica=1, resources_per_replica={"nvlink": 1}
+    )
     assert req.num_nodes == 2
     assert req.per_replica() == {"CPU": 1, "GPU": 1, "nvlink": 1}
     assert req.bundle() == {"CPU": 2, "GPU": 2, "nvlink": 2}
@@ -68,9 +74,18 @@ def test_simulated_nodes_must_fit_on_one_node():
 
 
 def _spec(**kw):
-    base = dict(job_name="j", rank=3, local_rank=1, node_rank=1, world_size=4,
-                local_world_size=2, num_nodes=2, master_addr="10.1.2.3", master_port=29500,
-                ranks_on_node=2)
+    base = dict(
+        job_name="j",
+        rank=3,
+        local_rank=1,
+        node_rank=1,
+        world_size=4,
+        local_world_size=2,
+        num_nodes=2,
+        master_addr="10.1.2.3",
+        master_port=29500,
+        ranks_on_node=2,
+    )
     base.update(kw)
     return RankSpec(**base)
 
@@ -139,9 +154,20 @@ def _report(tag: str) -> dict:
     total = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(total)
     print(f"rank {dist.get_rank()} says {tag}")
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-            "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
-            "OMP_NUM_THREADS", "EXTRA")
+    keys = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES",
+        "GLOO_SOCKET_IFNAME",
+        "OMP_NUM_THREADS",
+        "EXTRA",
+    )
     return {
         "env": {k: os.environ.get(k) for k in keys},
         "node": ray.get_runtime_context().get_node_id(),

@@ -63,9 +63,13 @@ def test_the_user_s_runtime_env_and_ours_reach_every_rank(cluster, tmp_path: Pat
     write(tmp_path / "project", {"driver.py": DRIVER})
     proc = subprocess.run(
         [sys.executable, "driver.py", cluster.address, str(job)],
-        cwd=tmp_path / "project", env=cli_env(tmp_path), capture_output=True, text=True,
-        timeout=180, check=False,
-    )  # fmt: skip
+        cwd=tmp_path / "project",
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert proc.returncode == 0, show(proc)
     assert "orchestrator_workers" not in proc.stderr, show(proc)  # brought without a word
     [line] = [line for line in proc.stdout.splitlines() if line.startswith("FOUND ")]
@@ -95,9 +99,12 @@ def test_local_folders_in_distribute_s_runtime_env_reach_the_ranks(cluster, tmp_
         return mylib.WHO, Path("data.txt").read_text()
 
     fn = distribute(
-        where, num_replicas=2, replicas_per_node=1, log_dir=False,
+        where,
+        num_replicas=2,
+        replicas_per_node=1,
+        log_dir=False,
         runtime_env={"py_modules": [str(modules / "mylib")], "working_dir": str(project)},
-    )  # fmt: skip
+    )
     try:
         assert fn() == [("mylib", "from the working dir\n")] * 2
     finally:

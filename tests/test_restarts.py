@@ -66,7 +66,10 @@ def test_a_crashed_rank_restarts_the_whole_group(cluster, tmp_path, capfd, monke
     results = job.result(timeout=180)
     assert bool(testing.pool(fn).routes.others) == tree  # calls went through rank 0, or not
     assert [(a, node, total) for a, node, _, total in results] == [
-        ("1", "0", 4.0), ("1", "0", 4.0), ("1", "1", 4.0), ("1", "1", 4.0),
+        ("1", "0", 4.0),
+        ("1", "0", 4.0),
+        ("1", "1", 4.0),
+        ("1", "1", 4.0),
     ]
     pids_seen = {}
     for rank in range(4):  # every rank saw attempt 0, then attempt 1
@@ -178,8 +181,10 @@ def test_a_rank_whose_store_connection_closed_is_not_the_root_cause_and_is_kept(
     assert status.restarts == 1 and [a for a, _ in results] == ["1", "1"]
     first = status.failed_attempts[0]
     assert first.startswith("rank 0 (local rank 0)") and "crashed" in first.split("\n")[0], first
-    pids = {name: int((tmp_path / name).read_text()) for name in ("rank0.0", "rank0.1",
-                                                                   "rank1.0", "rank1.1")}
+    pids = {
+        name: int((tmp_path / name).read_text())
+        for name in ("rank0.0", "rank0.1", "rank1.0", "rank1.1")
+    }
     assert pids["rank0.0"] != pids["rank0.1"], pids  # the dead rank: a new process
     assert pids["rank1.0"] == pids["rank1.1"], (pids, first)  # its peer kept its own
     wait_resources_back()
@@ -290,9 +295,7 @@ def lost_nodes(cluster) -> Iterator[LostNodes]:
         victim = next(n for n in cluster.list_all_nodes() if n.node_id == second_node)
         cluster.remove_node(victim, allow_graceful=False)
         cluster.remove_node(special, allow_graceful=False)
-        yield LostNodes(
-            restarting, job, second_node, holder, held, waiter, waiting, waiting_state
-        )
+        yield LostNodes(restarting, job, second_node, holder, held, waiter, waiting, waiting_state)
     finally:
         for fn in (restarting, holder, waiter):
             fn.shutdown()

@@ -81,10 +81,11 @@ def test_a_start_s_lease_still_compares_and_reads_as_before() -> None:
 
 _SECRET_NAME = re.compile(r"secret|token|lend|key|peers|password|auth_", re.IGNORECASE)
 _NOT_SECRET = {
-    ("CallSpec", "share_key"), ("RankSpec", "share_key"),  # names a call's /dev/shm buffers
+    ("CallSpec", "share_key"),
+    ("RankSpec", "share_key"),  # names a call's /dev/shm buffers
     ("CallView", "key"),  # the call's id, as share_key
     ("Notice", "key"),  # what a notice is about
-}  # fmt: skip
+}
 """Fields whose names look secret and are not."""
 
 

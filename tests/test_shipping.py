@@ -49,8 +49,10 @@ def test_current_finds_the_redefined_function():
     globals()["_old_version"] = lambda: "new"
     try:
         assert shipping.current(original) is original  # a lambda is not the same function
+
         def _old_version_new():
             return "new"
+
         _old_version_new.__qualname__ = original.__qualname__
         _old_version_new.__module__ = original.__module__
         globals()["_old_version"] = _old_version_new
@@ -167,13 +169,15 @@ def test_edited_local_module_runs_new_code_on_the_warm_pool(cluster, tmp_path, m
     with distribute(mod.version, num_replicas=2, replicas_per_node=1) as fn:
         assert fn() == ["v1", "v1"]
         pids = fn.pids()
-        module.write_text(textwrap.dedent("""\
+        module.write_text(
+            textwrap.dedent("""\
             def helper():
                 return 'v2'
 
             def version():
                 return helper()
-        """))
+        """)
+        )
         importlib.reload(mod)
         assert fn() == ["v2", "v2"]
         assert fn.pids() == pids

@@ -31,7 +31,8 @@ def test_shutdown_releases_everything_and_a_new_call_works(cluster):
 
 def test_driver_exit_without_shutdown_leaves_nothing_behind(cluster, tmp_path):
     script = tmp_path / "leaky.py"
-    script.write_text(textwrap.dedent(f"""\
+    script.write_text(
+        textwrap.dedent(f"""\
         import atexit, gc, os
         import ray
         # Between Ray's exit hook and ours: runs after ours, before Ray's.
@@ -41,10 +42,17 @@ def test_driver_exit_without_shutdown_leaves_nothing_behind(cluster, tmp_path):
         fn = distribute(os.getpid, num_replicas=4, replicas_per_node=2,
                         address={cluster.address!r})
         print(fn())
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": str(os.path.dirname(os.path.dirname(__file__)))}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     *_, printed, after = proc.stdout.strip().splitlines()
     # It ended the session it began itself: Ray's hook would first wait 0.5 s for log
@@ -74,8 +82,14 @@ def test_a_ray_session_the_user_began_is_left_to_ray_s_exit_hook(cluster, tmp_pa
     script = tmp_path / "theirs.py"
     script.write_text(THEIRS.format(address=cluster.address))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "after ours: True", proc.stdout
 

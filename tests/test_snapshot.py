@@ -83,10 +83,14 @@ def train(
     start = 0 if restored is None else restored.data
     # Its own generator: an iterator made with none draws its seed from the global RNG,
     # which the restore has just set back (a run that never failed draws it elsewhere).
-    batches = iter(torch.utils.data.DataLoader(
-        _Batches(start, rank), batch_size=None, num_workers=workers,
-        generator=torch.Generator().manual_seed(rank),
-    ))
+    batches = iter(
+        torch.utils.data.DataLoader(
+            _Batches(start, rank),
+            batch_size=None,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(rank),
+        )
+    )
     for step in range(start, STEPS):
         if attempt == 0 and rank in kill_ranks and step == kill_step:
             if hold:
@@ -132,9 +136,7 @@ def test_the_ranks_agree_on_the_newest_step_each_can_restore():
     assert snapshot._agree(ranks) == (29, [])
     # Rank 1 lost half-way through step 19's snapshot: the others' keepers hold 9 and 19,
     # their own copies are still 9, rank 1's keeper (rank 3) holds only 9: 9, not a mix.
-    ranks = _ranks(
-        [9, None, 9, 9], [{2: [9, 19]}, {}, {0: [9, 19]}, {1: [9]}]
-    )
+    ranks = _ranks([9, None, 9, 9], [{2: [9, 19]}, {}, {0: [9, 19]}, {1: [9]}])
     assert snapshot._agree(ranks) == (9, [])
     # Lost after every rank delivered 19: the copy it kept for rank 3 went with it, and
     # rank 3's own is 9 until it passes the commit, so 9 again.
@@ -156,8 +158,12 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    state = {"model": model, "optimizer": optimizer, "extra": {"bf16": torch.ones(3).bfloat16()},
-             "scale": torch.tensor([2.5])}
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "extra": {"bf16": torch.ones(3).bfloat16()},
+        "scale": torch.tensor([2.5]),
+    }
     torch.manual_seed(7)
     header, tensors = frames.frame(12, state, data={"offset": 96})
     layout = frames.layout_of(tensors)
@@ -220,10 +226,17 @@ def test_a_sparse_tensor_is_refused_with_what_to_use():
 def test_a_node_without_room_for_the_copies_is_refused_on_every_rank_alike():
     gib = 2**30
     # (node, host, port, copy bytes, own bytes new here, bytes available on the node)
-    ranks = [("a", "h", 1, gib, gib, 10 * gib), ("a", "h", 2, gib, gib, 10 * gib),
-             ("b", "h", 3, gib, gib, 3 * gib), ("b", "h", 4, gib, gib, 3 * gib)]
-    with pytest.raises(snapshot.SnapshotError, match=r"4\.00 GiB more memory on the node of "
-                       r"ranks 2, 3 .* 3\.00 GiB is available there"):
+    ranks = [
+        ("a", "h", 1, gib, gib, 10 * gib),
+        ("a", "h", 2, gib, gib, 10 * gib),
+        ("b", "h", 3, gib, gib, 3 * gib),
+        ("b", "h", 4, gib, gib, 3 * gib),
+    ]
+    with pytest.raises(
+        snapshot.SnapshotError,
+        match=r"4\.00 GiB more memory on the node of "
+        r"ranks 2, 3 .* 3\.00 GiB is available there",
+    ):
         snapshot._check_room(ranks, 9)
     snapshot._check_room([(n, h, p, c, 0, a) for n, h, p, c, _, a in ranks], 19)
 
@@ -266,8 +279,9 @@ def keeper():
 
 
 def _put(address: tuple[str, int], key: bytes, body: bytes, step: int = 9) -> None:
-    buddies.put(address, key, ward=3, step=step, header=b"head", body=[memoryview(body)],
-                body_len=len(body))
+    buddies.put(
+        address, key, ward=3, step=step, header=b"head", body=[memoryview(body)], body_len=len(body)
+    )
 
 
 def test_a_copy_given_to_a_keeper_comes_back_whole(keeper):
@@ -347,8 +361,9 @@ def test_importing_the_rank_side_api_loads_none_of_the_driver(processes):
         "import sys, orchestrator.snapshot; "
         "print(sorted(m for m in sys.modules if m.startswith(('orchestrator', 'ray'))))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     assert "orchestrator.function" not in out and "'ray'" not in out, out
 
 
@@ -401,11 +416,17 @@ def test_a_killed_rank_resumes_at_the_snapshot_with_bit_identical_weights(
     results = job.result(timeout=180)
     assert job.status().restarts == 1
     assert [r["restored"] for r in results] == [
-        (29, 30, "own"), (29, 30, "own"), (29, 30, "rank 0"), (29, 30, "own")
+        (29, 30, "own"),
+        (29, 30, "own"),
+        (29, 30, "rank 0"),
+        (29, 30, "own"),
     ]
     assert [r["pid"] for r in results] != [r["pid"] for r in first]
     assert [r["pid"] == p["pid"] for r, p in zip(results, first, strict=True)] == [
-        True, True, False, True  # survivors kept their processes
+        True,
+        True,
+        False,
+        True,  # survivors kept their processes
     ]
     _same(results, never_failed)
     err = capfd.readouterr().err
@@ -416,9 +437,7 @@ def test_a_killed_rank_resumes_at_the_snapshot_with_bit_identical_weights(
     ), err
 
 
-def test_a_rank_lost_with_its_buddy_restores_nothing_and_says_so(
-    snap, never_failed, settle, capfd
-):
+def test_a_rank_lost_with_its_buddy_restores_nothing_and_says_so(snap, never_failed, settle, capfd):
     results = snap(37, (0, 2))  # each the other's buddy
     assert {r["restored"] for r in results} == {None}  # the loop starts over: its own fallback
     _same(results, never_failed)
@@ -450,7 +469,11 @@ def test_a_rank_killed_in_the_middle_of_a_snapshot_costs_one_interval(
 ):
     paused = tmp_path / "paused"
     fn = distribute(
-        train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snap",
+        train,
+        num_replicas=4,
+        replicas_per_node=2,
+        max_restarts=1,
+        name="snap",
         env={snapshot.PAUSE_VAR: f"19:1:{paused}"},
     )
     try:
@@ -465,7 +488,10 @@ def test_a_rank_killed_in_the_middle_of_a_snapshot_costs_one_interval(
         fn.shutdown()
     # Half of rank 1's copy of step 19 had reached rank 3: the step before it, on every rank.
     assert [r["restored"] for r in results] == [
-        (9, 10, "own"), (9, 10, "rank 3"), (9, 10, "own"), (9, 10, "own")
+        (9, 10, "own"),
+        (9, 10, "rank 3"),
+        (9, 10, "own"),
+        (9, 10, "own"),
     ]
     _same(results, never_failed)
     wait_resources_back()
@@ -482,7 +508,6 @@ def test_a_restart_before_the_first_snapshot_has_nothing_to_restore(
     assert {r["restored"] for r in results} == {None}
     assert "nothing to restore: no rank holds a snapshot" in capfd.readouterr().err
     wait_resources_back()
-
 
 
 @pytest.mark.usefixtures("released", "settle")
@@ -511,10 +536,16 @@ def test_a_lost_node_s_ranks_resume_on_the_node_added_from_their_buddies_copies(
     assert job.status().restarts == 1
     assert "its node left the Ray cluster" in job.status().failed_attempts[0]
     assert [r["restored"] for r in results] == [
-        (29, 30, "own"), (29, 30, "own"), (29, 30, "rank 0"), (29, 30, "rank 1")
+        (29, 30, "own"),
+        (29, 30, "own"),
+        (29, 30, "rank 0"),
+        (29, 30, "rank 1"),
     ]
     assert [r["pid"] == p["pid"] for r, p in zip(results, first, strict=True)] == [
-        True, True, False, False  # the survivors' processes kept
+        True,
+        True,
+        False,
+        False,  # the survivors' processes kept
     ]
     assert {r["node"] for r in first[2:]} == {lost}
     assert lost not in {r["node"] for r in results}
@@ -534,7 +565,11 @@ def test_a_lost_node_with_no_node_to_take_its_place_fails_after_placement_timeou
 ):
     held = tmp_path / "held"
     fn = distribute(
-        train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snapt",
+        train,
+        num_replicas=4,
+        replicas_per_node=2,
+        max_restarts=1,
+        name="snapt",
         placement_timeout=2,
     )
     try:
@@ -561,15 +596,23 @@ def test_a_lost_node_with_no_node_to_take_its_place_fails_after_placement_timeou
 def test_a_detached_job_recovers_where_it_is_supervised(cluster, never_failed, released, capfd):
     """The supervisor in the cluster restarts the job; the ranks restore as for a live call."""
     with distribute(
-        train, num_replicas=4, replicas_per_node=2, max_restarts=1, name="snapd",
-        detach=True, address=cluster.address,
+        train,
+        num_replicas=4,
+        replicas_per_node=2,
+        max_restarts=1,
+        name="snapd",
+        detach=True,
+        address=cluster.address,
     ) as fn:
         job = fn.submit(37, (2,))
         results = job.result(timeout=180)
         assert job.status().restarts == 1
         job.release()
     assert [r["restored"] for r in results] == [
-        (29, 30, "own"), (29, 30, "own"), (29, 30, "rank 0"), (29, 30, "own")
+        (29, 30, "own"),
+        (29, 30, "own"),
+        (29, 30, "rank 0"),
+        (29, 30, "own"),
     ]
     _same(results, never_failed)
     assert "[snapshot] restored step 29 from memory: rank 2 from rank 0's copy" in (

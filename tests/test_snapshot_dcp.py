@@ -26,13 +26,15 @@ def one_rank(tmp_path, monkeypatch):
     """A rank of one: a gloo group of one process, and the snapshot module entered."""
     monkeypatch.setattr(snapshot, "_call", None)
     monkeypatch.setattr(snapshot, "_own", None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     secret = os.urandom(32)
     snapshot.enter(0, 1, restart_count=0, secret=secret, host="127.0.0.1", node="n")
     try:
-        yield lambda: snapshot.enter(0, 1, restart_count=1, secret=secret, host="127.0.0.1",
-                                     node="n")
+        yield lambda: snapshot.enter(
+            0, 1, restart_count=1, secret=secret, host="127.0.0.1", node="n"
+        )
     finally:
         snapshot.leave()
         dist.destroy_process_group()

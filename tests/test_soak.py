@@ -15,7 +15,12 @@ def test_quick_soak_meets_every_target(processes):
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_soak", "--quick"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     table = proc.stdout.split("calls per outcome:", 1)[1]

@@ -18,8 +18,15 @@ from tests.helpers import wait_resources_back
 
 def _rows(n, state="running", **odd):
     return tuple(
-        RankRow(i, f"10.0.0.{i // 8}", odd.get(f"r{i}", state), 42.0, 0,
-                f"Rank {i}: Epoch 3, Loss {i / 100:.2f}", root_cause=odd.get("cause") == i)
+        RankRow(
+            i,
+            f"10.0.0.{i // 8}",
+            odd.get(f"r{i}", state),
+            42.0,
+            0,
+            f"Rank {i}: Epoch 3, Loss {i / 100:.2f}",
+            root_cause=odd.get("cause") == i,
+        )
         for i in range(n)
     )
 
@@ -51,19 +58,24 @@ def test_html_keeps_every_rank_one_click_away():
 
 
 def test_odd_ranks_split_by_node_and_lines_that_differ_are_counted():
-    views = [RankView(i, f"n{i // 4}", "failed" if i in (1, 6) else "running",
-                      "loss 1" if i % 2 else "step 2") for i in range(16)]
+    views = [
+        RankView(
+            i, f"n{i // 4}", "failed" if i in (1, 6) else "running", "loss 1" if i % 2 else "step 2"
+        )
+        for i in range(16)
+    ]
     groups = group(views)
     assert [(g.state, g.ranks, g.nodes) for g in groups[:2]] == [
-        ("failed", (1,), ("n0",)), ("failed", (6,), ("n1",))]
+        ("failed", (1,), ("n0",)),
+        ("failed", (6,), ("n1",)),
+    ]
     usual = groups[-1]
     assert usual.ranks == tuple(i for i in range(16) if i not in (1, 6))
     assert usual.last_line.endswith("(+1 other line)"), usual.last_line
 
 
 def test_a_silent_rank_is_odd_only_while_most_peers_write():
-    views = [RankView(i, "n0", "running", "x", silent_s=90.0 if i == 7 else 1.0)
-             for i in range(16)]
+    views = [RankView(i, "n0", "running", "x", silent_s=90.0 if i == 7 else 1.0) for i in range(16)]
     assert group(views)[0].ranks == (7,) and "silent 90 s" in group(views)[0].state
     all_quiet = [RankView(i, "n0", "running", "x", silent_s=90.0) for i in range(16)]
     assert len(group(all_quiet)) == 1  # a quiet phase of the whole job is not odd
@@ -89,8 +101,12 @@ def _fail_on_rank_3():
 def test_a_failed_job_of_many_ranks_is_summarized():
     n = SUMMARY_FROM_RANKS
     job = distribute(
-        _fail_on_rank_3, num_replicas=n, replicas_per_node=n // 2, cpus_per_replica=0.1,
-        gpus_per_replica=0, log_dir=False,
+        _fail_on_rank_3,
+        num_replicas=n,
+        replicas_per_node=n // 2,
+        cpus_per_replica=0.1,
+        gpus_per_replica=0,
+        log_dir=False,
     ).submit()
     with pytest.raises(DistributedError):
         job.result(timeout=120)

@@ -119,8 +119,7 @@ def squat_a_port(host: str = "0.0.0.0", port: int = 0) -> tuple[int, int]:  # no
 
 @as_root
 def test_a_stale_address_file_naming_a_port_another_user_took_is_not_joined(
-    processes,
-    ray_root: Path, capsys: pytest.CaptureFixture[str]
+    processes, ray_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Root's own address file, left by a stopped head, names a port that uid 65534 now
     listens on: joining would give them the script, and unpickling their answers would run
@@ -145,8 +144,7 @@ def test_a_stale_address_file_naming_a_port_another_user_took_is_not_joined(
 @pytest.mark.skipif(not shutil.which("unshare"), reason="needs unshare for its own /etc/hosts")
 @as_root
 def test_an_address_file_naming_a_host_whose_other_address_another_user_holds_is_ignored(
-    processes,
-    ray_root: Path, tmp_path: Path
+    processes, ray_root: Path, tmp_path: Path
 ) -> None:
     """The file names a host with two addresses: at the first, this user's listener; at
     the second, uid 65534's. Ray may connect to either, so every listener must be ours."""
@@ -164,10 +162,22 @@ def test_an_address_file_naming_a_host_whose_other_address_another_user_holds_is
             )
             env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
             seen = subprocess.run(
-                ["unshare", "--mount", "sh", "-c",
-                 'mount --bind "$1" /etc/hosts && exec "$2" -c "$3"', "-",
-                 str(hosts), sys.executable, look],
-                env=env, capture_output=True, text=True, timeout=60, check=True,
+                [
+                    "unshare",
+                    "--mount",
+                    "sh",
+                    "-c",
+                    'mount --bind "$1" /etc/hosts && exec "$2" -c "$3"',
+                    "-",
+                    str(hosts),
+                    sys.executable,
+                    look,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
             )
         finally:
             os.kill(squatter, signal.SIGKILL)

@@ -37,8 +37,15 @@ def nap(seconds: float) -> int:
 @pytest.fixture(scope="module")
 def fn(cluster: Any) -> Iterator[Any]:
     """One detached function of one rank for the module: its supervisor serves every test."""
-    with distribute(nap, num_replicas=1, detach=True, address=cluster.address, name=NAME,
-                    idle_timeout=30, retention=60) as detached:
+    with distribute(
+        nap,
+        num_replicas=1,
+        detach=True,
+        address=cluster.address,
+        name=NAME,
+        idle_timeout=30,
+        retention=60,
+    ) as detached:
         yield detached
     wait_resources_back(timeout=30)
 
@@ -60,8 +67,15 @@ def _cli(address: str, *commands: str) -> list[tuple[int, str, str]]:
         "    print(f'\\n=== exit {code}', flush=True)\n"
         "    print('\\n=== exit', file=sys.stderr, flush=True)\n"
     )
-    ran = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=180, check=False)
+    ran = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert ran.returncode == 0, ran.stderr
     out = re.split(r"\n=== exit (-?\d+)\n", ran.stdout)
     errs = ran.stderr.split("\n=== exit\n")
@@ -112,7 +126,10 @@ def test_a_bad_record_is_skipped_named_once_and_removed_by_stop(cluster, fn, cap
         assert said.count("removes it") == len(LISTED) + 1, said
         readable = f"supervisors/{job.record.supervisor}"
         listed, logs, refused, *removed = _cli(
-            cluster.address, "jobs", f"logs {job.id}", f"stop {readable}",
+            cluster.address,
+            "jobs",
+            f"logs {job.id}",
+            f"stop {readable}",
             *(f"stop {_shown(key)}" for key in [*LISTED, POOL]),
         )
         assert listed[0] == 0 and job.id in listed[1], listed

@@ -98,8 +98,11 @@ def _look(marks: str, step: str) -> dict[str, Any]:
 
     child = subprocess.run(
         [sys.executable, "-c", "import wave; print(wave.__file__)"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     lazy = None
     try:
         if step == "look":
@@ -226,9 +229,12 @@ def test_in_a_safe_cache_folder_the_name_is_this_user_s_alone(processes, home_ca
     _as_other_user(intrude)
     child = subprocess.run(
         [sys.executable, "-c", "import wave, orchestrator_workers as w; print(w.__file__)"],
-        env={**os.environ, "PYTHONPATH": entry}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": entry},
+        capture_output=True,
+        text=True,
+        timeout=60,
         check=True,
-    )  # fmt: skip
+    )
     assert child.stdout.strip() == f"{entry}/orchestrator_workers/__init__.py"
     assert os.listdir(node / "marks") == []
 

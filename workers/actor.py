@@ -115,18 +115,20 @@ class RankActor:
             self._importing.join()
         context = ray.get_runtime_context()
         gpus = tuple(str(gpu) for gpu in context.get_accelerator_ids().get("GPU", []))
-        return wire(NodeInfo(
-            node_id=context.get_node_id(),
-            node_ip=self._node_ip,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            gpu_ids=gpus,
-            interface=environment.interface_for_ip(self._node_ip),
-            tail_path=self._capture.tail,
-            niceness=os.getpriority(os.PRIO_PROCESS, 0),
-            door=self._door.name,
-            door_key=self._door.key,
-        ))
+        return wire(
+            NodeInfo(
+                node_id=context.get_node_id(),
+                node_ip=self._node_ip,
+                hostname=socket.gethostname(),
+                pid=os.getpid(),
+                gpu_ids=gpus,
+                interface=environment.interface_for_ip(self._node_ip),
+                tail_path=self._capture.tail,
+                niceness=os.getpriority(os.PRIO_PROCESS, 0),
+                door=self._door.name,
+                door_key=self._door.key,
+            )
+        )
 
     @ray.method(concurrency_group="control")
     def drain(self, timeout: float, gather: float = 0.0) -> bytes:
@@ -189,8 +191,9 @@ class RankActor:
             self._packed_peers = peers
         if nodes is not None:
             self._nodes = nodes
-        if not self._hand.start(call_id, self._peers, packed_call, payload, self._nodes,
-                                lease=lease):
+        if not self._hand.start(
+            call_id, self._peers, packed_call, payload, self._nodes, lease=lease
+        ):
             return pickle.dumps(None)
         return pickle.dumps(self._hand.collect(call_id, reader), pickle.HIGHEST_PROTOCOL)
 

@@ -130,8 +130,11 @@ class Capture:
             os.close(self._tee)
             self._tee = -1
             if isinstance(exc, UnsafeFolderError):
-                print(f"[orchestrator] a crash's last lines will not be kept: {exc}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[orchestrator] a crash's last lines will not be kept: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         os.close(lifeline)
         os.close(tee)
 

@@ -126,11 +126,16 @@ class Writer(StorageWriter):
         held = {"items": items, "metadata": local}
         snapshot.save(self.step, {snapshot.DCP_KEY: held}, data=self.data)
         done: Future[list[WriteResult]] = Future()
-        done.set_result([
-            WriteResult(index=item.index, size_in_bytes=_size(items.get(_key(item.index))),
-                        storage_data=None)
-            for item in plan.items
-        ])
+        done.set_result(
+            [
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=_size(items.get(_key(item.index))),
+                    storage_data=None,
+                )
+                for item in plan.items
+            ]
+        )
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

@@ -210,5 +210,3 @@ def set_rng(states: dict[str, Any]) -> None:
     numpy = sys.modules.get("numpy")
     if states["numpy"] is not None and numpy is not None:
         numpy.random.set_state(states["numpy"])
-
-

@@ -107,7 +107,11 @@ class Door:
             return
         self.name = name
         self.greeters = Greeters(
-            listener, self._greeting, self._link, wait_s=lambda: KEY_WAIT_S, name="door",
+            listener,
+            self._greeting,
+            self._link,
+            wait_s=lambda: KEY_WAIT_S,
+            name="door",
             link_name="rank",  # a small call runs in it: the rank's function thread
         )
 
@@ -143,6 +147,7 @@ class Door:
                 self._done.notify_all()
             sent = b"" if len(outcome) > _LARGE else outcome  # b"": ask me for it
             send(conn, [call_id, b"\1" if failed else b"\0", sent])
+
 
 class Hand:
     """A node's first rank's side: a link to each rank's door, and the current call.
@@ -358,5 +363,3 @@ class Hand:
 def pack_peers(peers: Sequence[Peer]) -> bytes:
     """A node's peers as the driver sends them with every call, pickled once per pool."""
     return pickle.dumps(tuple(peers), pickle.HIGHEST_PROTOCOL)
-
-

@@ -127,8 +127,10 @@ def _open(path: Path) -> int:
         except FileNotFoundError:  # its last reader removed the name meanwhile
             continue
         found = os.fstat(fd)
-        if stat.S_ISREG(found.st_mode) and found.st_uid == os.getuid() and not (
-            found.st_mode & 0o077
+        if (
+            stat.S_ISREG(found.st_mode)
+            and found.st_uid == os.getuid()
+            and not (found.st_mode & 0o077)
         ):
             return fd
         os.close(fd)

@@ -157,8 +157,11 @@ def save(step: int, state: Mapping[str, Any], *, data: Any = None) -> None:
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if failed.item():  # keep the previous snapshot: it is still whole everywhere
         if failure:
-            print(f"[snapshot] step {step} not kept (the last one stays): {failure}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[snapshot] step {step} not kept (the last one stays): {failure}",
+                file=sys.stderr,
+                flush=True,
+            )
         return
     buddies.keeper.settle(step)
     _keep_own(step, header, tensors, layout)
@@ -307,7 +310,8 @@ def _say_lost(missing: list[int], any_kept: bool) -> None:
         print(
             "[snapshot] nothing to restore: no rank holds a snapshot (none was taken "
             "before the failure, or every rank that held one was replaced)",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
         return
     who = ", ".join(map(str, missing))
@@ -316,7 +320,8 @@ def _say_lost(missing: list[int], any_kept: bool) -> None:
         "lost (a rank and the buddy that kept its copy, or their nodes, were lost "
         "together); no step is whole on every rank, and a mix of steps is never "
         "restored: load your own checkpoint",
-        file=sys.stderr, flush=True,
+        file=sys.stderr,
+        flush=True,
     )
 
 
@@ -324,8 +329,11 @@ def _say_restored(step: int, sources: list[str]) -> None:
     from_buddy = [f"rank {r} from {s}'s copy" for r, s in enumerate(sources) if s != "own"]
     own = [str(r) for r, s in enumerate(sources) if s == "own"]
     parts = from_buddy + ([f"rank(s) {', '.join(own)} from their own"] if own else [])
-    print(f"[snapshot] restored step {step} from memory: {'; '.join(parts)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[snapshot] restored step {step} from memory: {'; '.join(parts)}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _available_memory() -> int:

@@ -86,8 +86,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         usage="%(prog)s [options] (SCRIPT | -m MODULE) [script args ...]",
     )
     run_cmd.add_argument(
-        "--nproc", type=int, metavar="N", help="number of ranks (default: --nnodes x "
-        "--nproc-per-node, else 1)"
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="number of ranks (default: --nnodes x --nproc-per-node, else 1)",
     )
     run_cmd.add_argument(
         "--per-node",

@@ -93,9 +93,7 @@ _PING = b"\x08\x06"
 """ClusterInfoRequest(type=PING), which Ray Client's server answers itself (protobuf)."""
 
 
-def _rpc_answer(
-    sock: socket.socket, authority: str, skip: int, *, client: bool
-) -> str | None:
+def _rpc_answer(sock: socket.socket, authority: str, skip: int, *, client: bool) -> str | None:
     """None if the HTTP/2 server on `sock` answers a gRPC call within REACH_TIMEOUT_S; else
     what it did instead.
 
@@ -117,9 +115,16 @@ def _rpc_answer(
     block = _request_headers(path, authority, token)
     stream = (1).to_bytes(4, "big")
     sock.sendall(
-        bytes([0, 0, 0, 4, 1]) + b"\0\0\0\0"  # SETTINGS ACK
-        + len(block).to_bytes(3, "big") + bytes([1, 4]) + stream + block  # HEADERS
-        + len(message).to_bytes(3, "big") + bytes([0, 1]) + stream + message  # DATA, END_STREAM
+        bytes([0, 0, 0, 4, 1])
+        + b"\0\0\0\0"  # SETTINGS ACK
+        + len(block).to_bytes(3, "big")
+        + bytes([1, 4])
+        + stream
+        + block  # HEADERS
+        + len(message).to_bytes(3, "big")
+        + bytes([0, 1])
+        + stream
+        + message  # DATA, END_STREAM
     )
     deadline = time.monotonic() + REACH_TIMEOUT_S
     buffer = headers = b""
@@ -167,10 +172,14 @@ def _request_headers(path: bytes, authority: str, token: dict[str, str]) -> byte
     import hpack
 
     fields = [
-        (":method", "POST"), (":scheme", "http"), (":path", path.decode()),
-        (":authority", authority), ("content-type", "application/grpc"), ("te", "trailers"),
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path.decode()),
+        (":authority", authority),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
         *((name.lower(), value) for name, value in token.items()),
-    ]  # fmt: skip
+    ]
     return bytes(hpack.Encoder().encode(fields))
 
 

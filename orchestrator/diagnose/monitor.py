@@ -73,8 +73,14 @@ class Monitor:
             self.stall = None
             if not any(waits_on.values()):
                 self.stall = report(
-                    self.name, now, watch.where, moving, last_output,
-                    after_s=watch.after_s, returned=returned, mute=watch.mute,
+                    self.name,
+                    now,
+                    watch.where,
+                    moving,
+                    last_output,
+                    after_s=watch.after_s,
+                    returned=returned,
+                    mute=watch.mute,
                 )
             if self.stall is not None:
                 self.slow = []

@@ -272,9 +272,7 @@ class Bulk:
         if rest:
             self._pending[key] = rest
         prefix = self._prefix(rank)
-        return [
-            f"{prefix}{line}\n" for line in map(_rendered, whole) if not _ray_marker(line)
-        ]
+        return [f"{prefix}{line}\n" for line in map(_rendered, whole) if not _ray_marker(line)]
 
     def rest(self) -> list[tuple[str, str]]:
         """(stream, line) for each line never ended, in rank order."""

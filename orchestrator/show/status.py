@@ -58,9 +58,7 @@ class StatusLine:
         self._in_place: bool | None = None
         """Whether stderr is a terminal: asked once the line is first due (a call costs less)."""
 
-    def tick(
-        self, now: float, last_output: float, notice: Notice | None = None
-    ) -> float | None:
+    def tick(self, now: float, last_output: float, notice: Notice | None = None) -> float | None:
         """Show the line if it is due; return when it may next be due (None: never).
 
         `notice`: what the user must know now (ranks without progress, slow ranks; the
@@ -91,13 +89,9 @@ class StatusLine:
         running = f"{self.num_ranks} ranks running"
         if len({state for _, state in states}) > 1:  # e.g. one waits for a debugger
             running = f"{self.num_ranks} ranks ({states_line(states)})"
-        text = (
-            f"{running} {clock(now - self.started)}; "
-            f"last output {clock(now - quiet_since)} ago"
-        )
+        text = f"{running} {clock(now - self.started)}; last output {clock(now - quiet_since)} ago"
         messages.emit(logger, logging.INFO, f"[{self.name}] {text}", in_place=in_place)
         return now + every
-
 
     def _show_notice(self, notice: Notice, now: float, in_place: bool, every: float) -> float:
         """Say it: at once when it changed, else as the line would."""

@@ -229,16 +229,37 @@ def list_jobs(address: str | None = None) -> list[JobInfo]:
     for each in jobs:
         record = each.record
         if record.supervisor in live:
-            found.append(JobInfo(record.id, record.name, each.state, record.ranks, each.nodes,
-                                 record.started, record.user))
+            found.append(
+                JobInfo(
+                    record.id,
+                    record.name,
+                    each.state,
+                    record.ranks,
+                    each.nodes,
+                    record.started,
+                    record.user,
+                )
+            )
     found.sort(key=lambda info: info.started)
     now = time.time()
     for actor_name, pool in sorted(pools.items()):
         if actor_name in live and pool.ranks and not pool.busy:  # else its job is listed
             idle = max(0.0, now - pool.idle_since)
             held = {"CPU": pool.cpus, "GPU": pool.gpus}
-            found.append(JobInfo(actor_name, pool.name, WARM_POOL, pool.ranks, pool.nodes,
-                                 now - idle, "", held, idle, pool.idle_timeout))
+            found.append(
+                JobInfo(
+                    actor_name,
+                    pool.name,
+                    WARM_POOL,
+                    pool.ranks,
+                    pool.nodes,
+                    now - idle,
+                    "",
+                    held,
+                    idle,
+                    pool.idle_timeout,
+                )
+            )
     return found
 
 

@@ -84,8 +84,9 @@ class Detached:
         owner, in_cell = call.owner, call.in_cell
         loan = self._loan(payload, first_wait_s)
         if loan is not None:
-            done = self._call_directly(payload, uses_torch, options, loan, first_wait_s,
-                                       owner=owner, in_cell=in_cell)
+            done = self._call_directly(
+                payload, uses_torch, options, loan, first_wait_s, owner=owner, in_cell=in_cell
+            )
             if done is not None:
                 return done
         for anew in (False, True):
@@ -102,8 +103,7 @@ class Detached:
                 refused = SupervisorEndedError(f"{self._supervisor_name} is gone")
             if not isinstance(refused, SupervisorEndedError) or anew:
                 break
-            messages.say(f"its supervisor had ended ({refused}); starting a new one",
-                         job=self.name)
+            messages.say(f"its supervisor had ended ({refused}); starting a new one", job=self.name)
             with self._lock:
                 self._handle = None
         if refused is not None:
@@ -125,8 +125,9 @@ class Detached:
         self, record: registry.JobRecord, handle: Any, first: Any, owner: Any, in_cell: bool
     ) -> FollowedJob[Any]:
         messages.say(f"detached job {record.id}; {how_to_get_back(record.id)}", job=self.name)
-        job: FollowedJob[Any] = FollowedJob(record, handle, in_cell=in_cell, owner=owner,
-                                            first=first)
+        job: FollowedJob[Any] = FollowedJob(
+            record, handle, in_cell=in_cell, owner=owner, first=first
+        )
         self.last = self.current = job
         return job
 

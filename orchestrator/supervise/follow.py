@@ -38,6 +38,8 @@ READ_WAIT_S = 0.25
 job's state (and shows partial lines and folds that are due)."""
 PAGE_ENTRIES = 5_000
 """Entries asked for per read."""
+
+
 class FollowedJob(Job[R]):
     """A detached job, followed from this process: the `Job` API, answered by its supervisor.
 
@@ -146,8 +148,9 @@ class FollowedJob(Job[R]):
         self._unfollowed.set()
         _following.discard(self)
         if say and not self.done():
-            messages.say(f"job {self.id} runs on in the cluster; {how_to_get_back(self.id)}",
-                         job=self.name)
+            messages.say(
+                f"job {self.id} runs on in the cluster; {how_to_get_back(self.id)}", job=self.name
+            )
 
     def result(self, timeout: float | None = None) -> list[R]:
         """Each rank's return value, by rank, or the job's error; waits for its end (after
@@ -214,10 +217,12 @@ class FollowedJob(Job[R]):
                     self._reading = False  # now, under the lock: see _watch_quietly
                     return
             try:
-                page, outcome = unwire(ray.get(
-                    self._link.handle.read.remote(self.id, after, PAGE_ENTRIES, READ_WAIT_S),
-                    timeout=READ_WAIT_S + ASK_TIMEOUT_S,
-                ))
+                page, outcome = unwire(
+                    ray.get(
+                        self._link.handle.read.remote(self.id, after, PAGE_ENTRIES, READ_WAIT_S),
+                        timeout=READ_WAIT_S + ASK_TIMEOUT_S,
+                    )
+                )
             except RayActorError as exc:
                 self._settle_lost(exc)
                 return
@@ -240,8 +245,9 @@ class FollowedJob(Job[R]):
         if not self._show_output or self._unfollowed.is_set():
             return
         for rank, lines in sorted(page.dropped.items()):
-            messages.say(f"r{rank}: {lines} older lines were dropped (the journal is bounded)",
-                         job=self.name)
+            messages.say(
+                f"r{rank}: {lines} older lines were dropped (the journal is bounded)", job=self.name
+            )
         for entry in page.entries:
             self._console.write(entry.rank, [entry.chunk])
         self._console.tick()
@@ -249,9 +255,9 @@ class FollowedJob(Job[R]):
     def _look(self) -> Snapshot | None:
         """The supervisor's snapshot now (the last one when it does not answer)."""
         try:
-            snapshot: Snapshot = unwire(ray.get(
-                self._link.handle.snapshot.remote(self.id), timeout=ASK_TIMEOUT_S
-            ))
+            snapshot: Snapshot = unwire(
+                ray.get(self._link.handle.snapshot.remote(self.id), timeout=ASK_TIMEOUT_S)
+            )
         except Exception as exc:
             # Or a handle void in a new session: the next read finds the supervisor again.
             lost = self._link.void(exc) or cluster.lost_session(exc)
@@ -288,8 +294,11 @@ class FollowedJob(Job[R]):
             if not self._stop_requested.is_set() and _cancel_future(self):
                 self._discard()
                 self._show(State.CANCELLED)
-                messages.say(f"job {self.id} was stopped elsewhere (`orchestrator stop`, or "
-                             "cancel() in another process)", job=self.name)
+                messages.say(
+                    f"job {self.id} was stopped elsewhere (`orchestrator stop`, or "
+                    "cancel() in another process)",
+                    job=self.name,
+                )
 
     def _settle(self, value: list[R] | None, error: BaseException | None) -> None:
         self._console.flush()
@@ -303,6 +312,7 @@ class FollowedJob(Job[R]):
             "Its ranks were stopped with it."
         )
         self._settle(None, lost)
+
 
 def _cancel_future(job: Job[Any]) -> bool:
     """Mark `job` cancelled as a Future (its ranks were stopped elsewhere)."""

@@ -166,9 +166,7 @@ class Journal:
         with self._lock:
             if wait_s > 0:
                 end = time.monotonic() + wait_s
-                self._grown.wait_for(
-                    lambda: self._position > after or self._closed, timeout=wait_s
-                )
+                self._grown.wait_for(lambda: self._position > after or self._closed, timeout=wait_s)
                 settle_s = min(settle_s, end - time.monotonic())
                 if settle_s > 0:
                     self._grown.wait_for(lambda: self._closed, timeout=settle_s)

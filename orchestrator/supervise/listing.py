@@ -82,7 +82,7 @@ def published(
     jobs: list[Listed] = []
     pools: dict[str, Pooled] = {}
     for key in _ray_compat.kv_keys(LISTING):
-        if supervisors is None or supervisors(key[len(LISTING):]):
+        if supervisors is None or supervisors(key[len(LISTING) :]):
             found = registry.read(key, _decode)
             if found is not None:
                 pools[found[0].supervisor] = found[0]
@@ -102,7 +102,7 @@ def readable(key: str) -> bool:
 def _decode(key: str, value: bytes, *, whole: bool = False) -> tuple[Pooled, list[Listed], int]:
     """A listing's pool, its jobs that can be read, and how many cannot (each named once;
     `whole`: not named)."""
-    actor_name = key[len(LISTING):]
+    actor_name = key[len(LISTING) :]
     if not registry.SUPERVISOR.fullmatch(actor_name):
         raise BadRecord("not under a supervisor's name")
     fields = registry.parse(value, LARGEST)

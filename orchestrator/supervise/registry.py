@@ -148,7 +148,7 @@ def supervisors() -> list[tuple[str, str, float]]:
 
 
 def _supervisor(key: str, value: bytes) -> tuple[str, str, float]:
-    actor_name = key[len(SUPERVISORS):]
+    actor_name = key[len(SUPERVISORS) :]
     if not SUPERVISOR.fullmatch(actor_name):
         raise BadRecord("not a supervisor's name")
     fields = parse(value)
@@ -331,6 +331,8 @@ _KINDS: dict[str, Callable[[str, bytes], object]] = {
     EARLIER_JOBS: _earlier,
 }
 """How each kind of record here is read, by its keys' prefix."""
+
+
 def named_by(key: str) -> list[str]:
     """The keys of the records that `key` names, as it is or as `bad` shows it (escaped)."""
     prefix = next((prefix for prefix in RECORDS if key.startswith(prefix)), None)

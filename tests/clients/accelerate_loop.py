@@ -16,9 +16,7 @@ def main() -> dict:
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
     model = torch.nn.Linear(8, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer, loader = accelerator.prepare(
-        model, optimizer, DataLoader(data, batch_size=8)
-    )
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=8))
     losses = []
     for _ in range(2):
         for inputs, target in loader:
@@ -29,9 +27,13 @@ def main() -> dict:
             losses.append(round(loss.item(), 6))
     gathered = accelerator.gather(torch.tensor([losses[-1]]))
     weights = [round(w, 5) for w in accelerator.unwrap_model(model).weight.flatten().tolist()]
-    result = {"rank": accelerator.process_index, "world": accelerator.num_processes,
-              "losses": losses, "gathered": [round(v, 6) for v in gathered.tolist()],
-              "weights": weights}
+    result = {
+        "rank": accelerator.process_index,
+        "world": accelerator.num_processes,
+        "losses": losses,
+        "gathered": [round(v, 6) for v in gathered.tolist()],
+        "weights": weights,
+    }
     return result
 
 

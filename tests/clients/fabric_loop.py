@@ -34,8 +34,13 @@ def main() -> dict:
             losses.append(round(loss.item(), 6))
     mean = fabric.all_reduce(torch.tensor(losses[-1]), reduce_op="mean")
     weights = [round(w, 5) for w in model.weight.flatten().tolist()]
-    return {"rank": fabric.global_rank, "world": fabric.world_size, "losses": losses,
-            "mean_last": round(mean.item(), 6), "weights": weights}
+    return {
+        "rank": fabric.global_rank,
+        "world": fabric.world_size,
+        "losses": losses,
+        "mean_last": round(mean.item(), 6),
+        "weights": weights,
+    }
 
 
 if __name__ == "__main__":

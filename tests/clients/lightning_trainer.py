@@ -43,8 +43,12 @@ def main() -> dict:
     )
     trainer.fit(model, DataLoader(data, batch_size=8))
     weights = [round(w, 5) for w in model.layer.weight.flatten().tolist()]
-    return {"rank": trainer.global_rank, "world": trainer.world_size, "losses": model.losses,
-            "weights": weights}
+    return {
+        "rank": trainer.global_rank,
+        "world": trainer.world_size,
+        "losses": model.losses,
+        "weights": weights,
+    }
 
 
 if __name__ == "__main__":
