@@ -282,7 +282,7 @@ class Call:
 
     def _forget_buffers(self) -> None:
         """After a failed call's ranks were told to stop: remove what they left in /dev/shm."""
-        nodes = [node.node_id for node in self.pool.routes.nodes]
+        nodes = list(self.pool.routes.nodes)
         shipping.forget_buffers(self.share_key, nodes, list(self.runs))
 
     def _busy(self) -> bool:

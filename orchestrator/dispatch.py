@@ -1,7 +1,7 @@
 """How a call reaches a pool's ranks: the driver's side of the hand-off (see
 `orchestrator_workers.handoff`).
 
-A pool's ranks are grouped by node (`PoolNode`). A call whose payload is small goes to
+A pool's ranks are grouped by node (each a `RemoteNode`). A call whose payload is small goes to
 each node's first rank, which hands it to the ranks of its node; from TREE_NODES nodes it
 goes to rank 0 alone, which calls the other nodes' first ranks. A call whose payload is
 large goes to each rank in a Ray task of its own. What a call adds to every rank's spec
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -26,18 +26,6 @@ from orchestrator_workers.protocol import CallSpec, Lease, NodeInfo, Peer, Remot
 if TYPE_CHECKING:
     from orchestrator.options import Options
     from orchestrator.shipping import Shipment
-
-
-@dataclass(frozen=True)
-class PoolNode:
-    """The ranks of one Ray node, as a call reaches them."""
-
-    node_id: str
-    """Ray's id of the node."""
-    ranks: tuple[int, ...]
-    """The first one hands the call to the others (and to itself)."""
-    peers: bytes = field(repr=False)
-    """Every rank's Peer, pickled once for every call (their doors' keys: never shown)."""
 
 
 @dataclass(frozen=True)
@@ -67,26 +55,32 @@ class Routes:
             Peer(rank=rank, door=info.door, pid=info.pid, spec=specs[rank], key=info.door_key)
             for rank, info in enumerate(infos)
         ]
-        self.nodes = [
-            PoolNode(node_id, tuple(ranks), handoff.pack_peers([peers[r] for r in ranks]))
+        self.nodes = {
+            node_id: RemoteNode(
+                actors[ranks[0]], tuple(ranks), handoff.pack_peers([peers[r] for r in ranks])
+            )
             for node_id, ranks in by_node.items()
-        ]
-        """The ranks by node (the first rank 0's)."""
+        }
+        """The ranks by Ray's node id (the first rank 0's), each node reached through its
+        first rank's actor."""
         tree = int(os.environ.get(handoff.TREE, handoff.TREE_NODES))
         self.others: tuple[RemoteNode, ...] = ()
         """The nodes after the first, where rank 0 hands each call to them (on many nodes:
         see handoff.TREE_NODES); none where the driver calls each node's first rank."""
         # Not through Ray Client: its server, which may lack this package, would pass them.
         if len(self.nodes) >= tree and not cluster.through_ray_client():
-            self.others = tuple(
-                RemoteNode(actors[node.ranks[0]], node.ranks, node.peers) for node in self.nodes[1:]
-            )
+            self.others = tuple(self.nodes.values())[1:]
         self._others_sent = False
         self.handoff = os.environ.get(handoff.SWITCH, "1") != "0" and all(
             info.door for info in infos
         )
         """Whether a call with a small payload goes to each node's first rank, which hands
         it to the others (else one Ray task per rank)."""
+
+    @property
+    def first(self) -> RemoteNode:
+        """Rank 0's node."""
+        return next(iter(self.nodes.values()))
 
     @property
     def from_rank0(self) -> bool:
@@ -104,15 +98,15 @@ class Routes:
         task per rank, each of which reads it from the object store in place."""
         actors = self.actors
         if self.handoff and isinstance(data, bytes) and self.others:  # rank 0 calls the nodes
-            first = self.nodes[0]
+            first = self.first
             args = (call_id, spec, data, first.peers, self._others_for_call())
-            ref = _run_node(actors[first.ranks[0]], args, lend)
+            ref = _run_node(first.actor, args, lend)
             return {ref: Awaited(tuple(range(len(actors))), first.ranks[0])}
         if self.handoff and isinstance(data, bytes):  # the driver calls each node's first rank
             runs = {}
-            for node in self.nodes:
+            for node in self.nodes.values():
                 args = (call_id, spec, data, node.peers, ())
-                ref = _run_node(actors[node.ranks[0]], args, lend)
+                ref = _run_node(node.actor, args, lend)
                 runs[ref] = Awaited(node.ranks, node.ranks[0])
             return runs
         return {

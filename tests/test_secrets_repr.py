@@ -14,7 +14,6 @@ import pytest
 
 import orchestrator
 import orchestrator_workers
-from orchestrator.dispatch import PoolNode
 from orchestrator.hook import Start, Started
 from orchestrator.runner import _Entry
 from orchestrator.supervise import direct
@@ -55,7 +54,6 @@ HOLDERS: dict[str, Callable[[], object]] = {
     "Started": lambda: Started(b"call-id", SECRET, 29500),
     "Start": lambda: Start(SECRET),
     "runner._Entry": lambda: _Entry(None, None, None, None, None, _call(), SECRET),  # type: ignore[arg-type]
-    "PoolNode": lambda: PoolNode("node", (0, 1), _peers()),
     "RemoteNode": lambda: RemoteNode(None, (2, 3), _peers()),
     "Peer": lambda: Peer(0, "orchestrator-door", 1234, b"spec", key=SECRET),
     "NodeInfo": lambda: NodeInfo("node", "10.0.0.1", "host", 1234, (), None, door_key=SECRET),

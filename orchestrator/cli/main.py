@@ -4,6 +4,7 @@ and the detached jobs: `jobs`, `logs`, `stop`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import textwrap
 from pathlib import Path
@@ -184,29 +185,20 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    fields = {field.name for field in dataclasses.fields(launch.RunOptions)}
+    same = {name: value for name, value in vars(args).items() if name in fields}  # by name
     options = launch.RunOptions(
-        target=args.script,
-        args=tuple(args.args),
-        nproc=args.nproc,
-        per_node=args.per_node,
-        nnodes=args.nnodes,
-        nproc_per_node=args.nproc_per_node,
-        node_rank=args.node_rank,
-        standalone=args.standalone,
-        unneeded=tuple(torchrun.unneeded(args)),
-        address=args.address,
-        name=args.name,
-        timeout=args.timeout,
-        max_restarts=args.max_restarts,
-        restart_on=args.restart_on,
-        module=args.module,
-        working_dir=args.working_dir,
-        excludes=tuple(args.exclude),
-        default_excludes=not args.no_default_excludes,
-        max_upload=args.max_upload,
-        upload=not args.no_upload,
-        local_rank_arg=f"--{args.local_rank_arg}" if args.local_rank_arg else None,
-        env=dict(args.env),
+        **{
+            **same,
+            "target": args.script,
+            "args": tuple(args.args),
+            "unneeded": tuple(torchrun.unneeded(args)),
+            "excludes": tuple(args.exclude),
+            "default_excludes": not args.no_default_excludes,
+            "upload": not args.no_upload,
+            "local_rank_arg": f"--{args.local_rank_arg}" if args.local_rank_arg else None,
+            "env": dict(args.env),
+        }
     )
     return launch.run(options)
 

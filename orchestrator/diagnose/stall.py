@@ -250,7 +250,7 @@ class Watch:
         self.after_s = after_s
         self.every = min(5.0, max(1.0, after_s / 10))
         self.next_read = started + min(after_s / 2, 5.0)
-        self.nodes = {node.node_id: node.ranks for node in pool.routes.nodes}
+        self.nodes = {node: reach.ranks for node, reach in pool.routes.nodes.items()}
         self.where: dict[int, tuple[Where, float]] = {}
         self.pending: dict[ray.ObjectRef, tuple[str, int, float]] = {}
         """Readings asked for: node, the rank asked, when."""

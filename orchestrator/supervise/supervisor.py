@@ -184,7 +184,7 @@ class Supervisor:
             port=pool.store_port,
             gpus=pool.request.gpus_per_replica > 0,
             rank0=pool.actors[0] if full else None,
-            peers=pool.routes.nodes[0].peers if full else b"",
+            peers=pool.routes.first.peers if full else b"",
         )
 
     def _submit(
