@@ -43,8 +43,8 @@ class RunOptions:
     nproc: int | None = None
     """Ranks in all (None: from nnodes x nproc_per_node, else 1)."""
     per_node: int | None = None
-    nnodes: str | None = None
-    """torchrun's --nnodes as given: N or N:N."""
+    nnodes: int | None = None
+    """torchrun's --nnodes (N or N:N, read once by `torchrun.parse_nnodes`)."""
     nproc_per_node: str | None = None
     """torchrun's --nproc-per-node as given: a number, gpu, cpu or auto."""
     node_rank: int | None = None
@@ -192,13 +192,12 @@ def validate(options: RunOptions) -> list[str]:
 
 def _layout(options: RunOptions, *, one_machine: bool) -> torchrun.Layout:
     """The ranks' count and per-node count; gpu/cpu/auto against the cluster's nodes."""
-    nnodes = torchrun.parse_nnodes(options.nnodes) if options.nnodes is not None else None
     given = options.nproc_per_node
     per = None
     if given is not None:
         nodes = [] if given.isdigit() else cluster.nodes()
         per = torchrun.per_node_for(given, nodes, one_machine=one_machine)
-    return torchrun.layout(options.nproc, options.per_node, nnodes, per)
+    return torchrun.layout(options.nproc, options.per_node, options.nnodes, per)
 
 
 def _only_this_machine(target: str) -> bool:
@@ -215,8 +214,6 @@ def run(options: RunOptions) -> int:
         raise LaunchError("\n".join(problems))
     if options.nproc_per_node is None or options.nproc_per_node.isdigit():
         _layout(options, one_machine=True)  # wrong counts are refused before anything starts
-    elif options.nnodes is not None:
-        torchrun.parse_nnodes(options.nnodes)
     if options.unneeded:
         messages.say(
             f"{', '.join(options.unneeded)}: not needed here (rank 0's address and a free "
@@ -288,10 +285,9 @@ def _stop_on_sigterm(came: threading.Event) -> None:
 
 def _slots_hint(options: RunOptions) -> float:
     """CPUs an embedded instance needs at least for this job (cpu/auto: this machine's)."""
-    nnodes = torchrun.parse_nnodes(options.nnodes) if options.nnodes else 1
     given = options.nproc_per_node or "1"
     per = int(given) if given.isdigit() else os.cpu_count() or 1
-    return max(options.nproc or 0, nnodes * per)
+    return max(options.nproc or 0, (options.nnodes or 1) * per)
 
 
 def _say_standalone() -> None:

@@ -192,6 +192,7 @@ def _run(args: argparse.Namespace) -> int:
             **same,
             "target": args.script,
             "args": tuple(args.args),
+            "nnodes": torchrun.parse_nnodes(args.nnodes) if args.nnodes is not None else None,
             "unneeded": tuple(torchrun.unneeded(args)),
             "excludes": tuple(args.exclude),
             "default_excludes": not args.no_default_excludes,
