@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from orchestrator.options import CallOptions, default_log_dir
     from orchestrator.supervise.catalog import JobInfo, get_job, list_jobs
     from orchestrator.supervise.follow import FollowedJob
+    from orchestrator_workers.progress import report
     from orchestrator_workers.protocol import RankFailure
     from orchestrator_workers.states import State
 
@@ -50,6 +51,7 @@ _WHERE = {
     "orchestrator.options": ("CallOptions", "default_log_dir"),
     "orchestrator.supervise.catalog": ("JobInfo", "get_job", "list_jobs"),
     "orchestrator.supervise.follow": ("FollowedJob",),
+    "orchestrator_workers.progress": ("report",),
     "orchestrator_workers.protocol": ("RankFailure",),
     "orchestrator_workers.states": ("State",),
 }
@@ -80,6 +82,7 @@ __all__ = [
     "distribute",
     "get_job",
     "list_jobs",
+    "report",
 ]
 
 

@@ -56,6 +56,7 @@ def test_public_api_is_small_and_stable():
         "distribute",
         "get_job",
         "list_jobs",
+        "report",
     ]
     # One spelling per state: the enum compares equal to the words the API shows.
     assert orchestrator.State.WAITING == "waiting for a debugger"

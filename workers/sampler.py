@@ -11,6 +11,7 @@ stopped process) stops writing: its record ages, and that says so.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import sys
@@ -19,6 +20,7 @@ import time
 
 from orchestrator_workers import probes
 from orchestrator_workers.places import COMPUTE, UNSEEN, Frame, frame_at, phase_of, place_of
+from orchestrator_workers.progress import PROGRESS
 from orchestrator_workers.stacks import after_entry, frames_of
 from orchestrator_workers.where import MAX_PLACES, OTHER_FUNCTIONS, OTHER_PLACES, Where, Writer
 
@@ -91,6 +93,7 @@ class Sampler:
             self._last_process, self._process_cpu = (now, time.process_time()), 0.0
             self._looks, self._places, self._functions, self._phases = 0, {}, {}, {}
             self._ident = threading.get_ident()
+            PROGRESS.begin()
             self._write(now, running=True)
 
     def end(self) -> None:
@@ -99,6 +102,7 @@ class Sampler:
             return
         with self._writing:
             self._ident = None
+            PROGRESS.end()
             self._write(time.time(), running=False)
 
     def _started(self) -> bool:
@@ -156,8 +160,9 @@ class Sampler:
                 self._function = f"in {where.function} at {os.path.basename(where.file)}"
             del stack
             self._count(now)
-            if self._looks % WRITE_EVERY and self._looks > 1:
-                return  # the first look is written at once: a rank stuck from its start
+            PROGRESS.hook()  # torch's optimizers may have loaded since
+            if self._looks % WRITE_EVERY and self._looks > 1 and not PROGRESS.changed:
+                return  # the first look is written at once, a step or a report at its next
             used = probes.cpu_s(self._clock)
             was, self._last_cpu = self._last_cpu, (now, used)
             if was is not None:
@@ -199,6 +204,14 @@ class Sampler:
         if self._record is None:
             return
         if not running or not self._looks:  # a call's start or end: only that, cheaply
+            steps = ""
+            if PROGRESS.steps or PROGRESS.reported_at:  # a call's end: what it did
+                count, recent, scalars, reported_at, samples = PROGRESS.taken()
+                steps = (
+                    f', "steps": {count}, "recent_steps": {json.dumps(recent)}, '
+                    f'"scalars": {json.dumps(scalars)}, "reported_at": {reported_at!r}, '
+                    f'"samples_total": {samples!r}'
+                )
             self._record.write_brief(
                 now,
                 running=running,
@@ -207,8 +220,10 @@ class Sampler:
                 sampler_s=self._sampler_s,
                 collective=self._collective,
                 call=self._call,
+                steps=steps,
             )
             return
+        count, recent, scalars, reported_at, samples = PROGRESS.taken()
         where = Where(
             -1,
             self._frames,
@@ -228,5 +243,10 @@ class Sampler:
             gpu_busy=probes.gpu_busy(self._device),
             sampled=time.monotonic(),
             call=self._call,
+            steps=count,
+            recent_steps=recent,
+            scalars=scalars,
+            reported_at=reported_at,
+            samples_total=samples,
         )
         self._record.write(where, now)

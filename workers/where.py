@@ -73,6 +73,16 @@ class Where:
     call: str = ""
     """The key of the call the record is about: with `running` False, that call's
     function has returned on this rank."""
+    steps: int = 0
+    """Steps the call's function completed (see `progress`)."""
+    recent_steps: tuple[tuple[int, float, float], ...] = ()
+    """The newest steps: number, when it ended (wall clock), seconds it took."""
+    scalars: dict[str, float] | None = None
+    """What the function reported last (`report`), by name."""
+    reported_at: float = 0.0
+    """When it last reported (wall clock; 0: never in this call)."""
+    samples_total: float = 0.0
+    """The `samples` it reported in this call, in all."""
 
 
 class Writer:
@@ -103,9 +113,11 @@ class Writer:
         sampler_s: float,
         collective: str,
         call: str,
+        steps: str = "",
     ) -> None:
         """`write` of a `Where` without a look's findings (a call's start or end): no
-        stack, counts, CPU, memory or GPU; its other fields as given.
+        stack, counts, CPU, memory or GPU; its other fields as given (`steps`: the
+        progress fields as JSON members, ', "steps": ...', or '' for none).
 
         Spelled out here rather than made a `Where` and encoded: a call's start and end
         write one each, on the function's thread. `Sampler.begin` and `end` together
@@ -119,7 +131,7 @@ class Writer:
             f'"age_s": 0.0, "collective": {json.dumps(collective)}, "samples": {samples}, '
             f'"places": {{}}, "functions": {{}}, "phases": {{}}, '
             f'"sampler_s": {sampler_s:.4f}, "sampled": {time.monotonic()!r}, '
-            f'"call": {json.dumps(call)}}}}}'.encode()
+            f'"call": {json.dumps(call)}{steps}}}}}'.encode()
         )
 
     def _put(self, data: bytes) -> None:
@@ -165,6 +177,9 @@ def _record(path: Path, rank: int, now: float) -> Where | None:
                 rank=rank,
                 frames=tuple(Frame(**f) for f in fields["frames"]),
                 phases={k: (int(n), float(c)) for k, (n, c) in fields["phases"].items()},
+                recent_steps=tuple(
+                    (int(n), float(at), float(s)) for n, at, s in fields.get("recent_steps", ())
+                ),
                 still_s=max(0.0, float(fields["still_s"]) + now - at),
                 age_s=max(0.0, now - at),
             )
