@@ -29,6 +29,7 @@ from orchestrator.errors import (
     is_secondary,
 )
 from orchestrator.hook import START, Collect, Start
+from orchestrator.observe.series import Series
 from orchestrator.options import Options
 from orchestrator.pool import Pool
 from orchestrator.shipping import Shipment
@@ -66,6 +67,8 @@ class JobContext:
     """Set once the job is stopped: its ranks are killed, and its call raises StopRequested."""
     secret: bytes = field(default=b"", repr=False)
     """The same for all its attempts: its ranks' snapshots prove it (see snapshot)."""
+    series: Series = field(default_factory=Series)
+    """Its numbers over time, from all its attempts (`Job.metrics`)."""
 
 
 class Call:
@@ -143,7 +146,12 @@ class Call:
         self._started_at = time.time()
         self.time_limit = None if self.timeout is None else started + self.timeout
         after, on_stall = options.stall_after, options.on_stall
-        self.monitor = None if after is None else Monitor(pool, started, after, on_stall)
+        self.monitor = None
+        if after is not None:
+            series = context.series
+            self.monitor = Monitor(
+                pool, started, after, on_stall, series=series, key=self.share_key
+            )
         quiet = context.sink is not None  # a notebook cell shows the ranks' table instead
         self.status = None if quiet else StatusLine(pool.name, len(pool.actors), started, self.view)
 
@@ -170,6 +178,8 @@ class Call:
                 self.failures, log_dir=self.console.log_dir, earlier_attempts=self.earlier
             )
         self.pool.use_store(self.next_port, close=self.store_open)  # every rank is done
+        if self.monitor is not None:
+            self.monitor.watch.last_reading()  # the ranks' last steps, where it was read
         return [self.results[rank] for rank in range(len(self.pool.actors))]
 
     def stacks(self) -> dict[int, str]:

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from orchestrator.errors import describe, summary
 from orchestrator.logfiles import read_log
+from orchestrator.observe.series import JobMetrics, Series
 from orchestrator.show import messages
-from orchestrator.show.notebook import CellOutput, RankRow, Table
+from orchestrator.show.notebook import CellOutput, Table, rank_table
 from orchestrator.show.summary import SUMMARY_FROM_RANKS, states_line
 from orchestrator.show.text import rank_label
 from orchestrator_workers.states import State
@@ -130,6 +131,8 @@ class Job(Future[list[R]]):
         self.log_dir = log_dir
         """The job's per-rank log folder (rank-N.log); None for log_dir=False."""
         self._stop_requested = threading.Event()
+        self._series = Series()
+        """Its numbers over time, fed by its attempts' monitors."""
         self._context = contextvars.copy_context()
         """The submitter's context: a notebook routes output by it to the submitting cell."""
         self._call: Call | None = None
@@ -225,31 +228,24 @@ class Job(Future[list[R]]):
         the job failed, the root cause first."""
         phase, last = self._now()
         status = self._status(phase, last)
-        view = last if phase == State.RUNNING else None
         ran = self._ran
         elapsed = (ran[1] if len(ran) > 1 else time.monotonic()) - ran[0] if ran else 0.0
         root = self._root_cause()
-        rows = [
-            RankRow(
-                rank=r.rank,
-                node=r.node_ip or "-",
-                state=r.state,
-                elapsed=elapsed,
-                restarts=status.restarts,
-                last_line=last.ranks[r.rank].last_line if last is not None else "",
-                root_cause=root is not None and root.rank == r.rank,
-                silent_s=view.ranks[r.rank].silent_s if view is not None else None,
-                slow=view is not None and view.ranks[r.rank].slow,
-                use=view.ranks[r.rank].use if view is not None else "",
-            )
-            for r in status.ranks
-        ]
-        rows.sort(key=lambda row: not row.root_cause)
-        cause = describe(root, limit=200) if root is not None else None
-        report = view.stall if view is not None else None
-        stall = report.line().removeprefix(f"[{self.name}] ") if report is not None else None
-        slowest = "; ".join(s.sentence() for s in view.slow) if view is not None else ""
-        return Table(f"[{self.name}] {status.state}", tuple(rows), cause, stall, slowest or None)
+        return rank_table(
+            self.name,
+            status.state,
+            [(r.rank, r.node_ip, r.state) for r in status.ranks],
+            last,
+            running=phase == State.RUNNING,
+            elapsed=elapsed,
+            restarts=status.restarts,
+            root=(root.rank, describe(root, limit=200)) if root is not None else None,
+        )
+
+    def metrics(self) -> JobMetrics:
+        """The job's numbers over time, per rank process (see `observe.series`): steps,
+        step times, CPU, memory, GPU and what its function reported."""
+        return self._series.metrics()
 
     def _repr_html_(self) -> str:
         """Jupyter: the ranks' table, as it is now."""
@@ -321,6 +317,8 @@ class JobControl:
         self.job = job
         self.stop = job._stop_requested
         """Set once the job is stopped (cancelled): its calls and its waits end."""
+        self.series = job._series
+        """The job's numbers over time, which its calls' monitors feed."""
 
     @property
     def sink(self) -> Callable[[str, str], None] | None:

@@ -326,6 +326,7 @@ class Runner:
             stop=control.stop,
             # For all its attempts (its ranks' snapshots); a started call brings its own.
             secret=entry.started.secret if entry.started is not None else os.urandom(32),
+            series=control.series,
         )
 
     def _attempt(

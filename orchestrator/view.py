@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator.diagnose.stall import StallReport
 from orchestrator.diagnose.straggle import Straggler
+from orchestrator.observe.figures import Figures
 from orchestrator_workers.states import State
 
 if TYPE_CHECKING:
@@ -44,8 +45,8 @@ class Findings:
     """Ranks slower than their peers, the slowest first."""
     notice: Notice | None
     """What the status line must say now (a stall, slow ranks), if anything."""
-    uses: Mapping[int, str]
-    """What each rank's process uses, as last read (a rank not read: none)."""
+    figures: Mapping[int, Figures]
+    """Each rank's figures as last read while it runs (a rank not read: none)."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,13 @@ class RankSnapshot:
     """While it runs: seconds since it last printed (or since the call began)."""
     slow: bool
     """Named slower than its peers."""
-    use: str
-    """What its process uses, as last read ('' when not read)."""
+    figures: Figures | None = None
+    """Its step, CPU, memory and GPU figures, as last read while it runs (None: not read)."""
+
+    @property
+    def use(self) -> str:
+        """What its process uses, in words ('' when not read)."""
+        return self.figures.use() if self.figures is not None else ""
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ def snapshot(
                 last_line=console.last_lines[rank],
                 silent_s=now - console.last_times[rank] if state == State.RUNNING else None,
                 slow=rank in slow,
-                use=findings.uses.get(rank, "") if findings is not None else "",
+                figures=findings.figures.get(rank) if findings is not None else None,
             )
         )
     return CallView(

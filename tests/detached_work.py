@@ -23,10 +23,14 @@ so no store is made for these calls, which never rendezvous."""
 
 
 def count(lines: int, pause: float) -> int:
-    """Print `lines` numbered lines, `pause` s apart; the rank times 10."""
+    """Print `lines` numbered lines, `pause` s apart, each a step it reports; the rank
+    times 10."""
+    import orchestrator
+
     rank = int(os.environ["RANK"])
     for i in range(lines):
         print(f"rank {rank} line {i}", flush=True)
+        orchestrator.report(step=i + 1, line=i)
         time.sleep(pause)
     return rank * 10
 

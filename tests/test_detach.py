@@ -94,6 +94,13 @@ def test_a_detached_job_outlives_its_killed_driver_and_is_got_back_whole(cluster
         assert _every_line_once(job.logs(rank), rank), job.logs(rank)
     assert shown.err.startswith("[count] running\nrank  node"), shown.err  # its table first
     assert job.status().state == "finished"
+    # Its numbers over time, kept by the supervisor from the job's start: its steps in
+    # order, from the first (a record carries the newest 32: no reading must be missed).
+    kept = job.metrics().by_rank()
+    for rank in (0, 1):
+        steps = kept[rank].steps["step"]
+        assert steps[0] == 1 and steps[-1] == LINES and list(steps) == sorted(set(steps)), steps
+        assert kept[rank].scalars["line"]["detail"]["value"][-1] == LINES - 1
     assert job_id in {found.id for found in list_jobs()}
     job.release()
     assert job_id not in {found.id for found in list_jobs()}

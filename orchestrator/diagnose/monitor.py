@@ -11,6 +11,7 @@ from orchestrator.diagnose.straggle import Straggler
 from orchestrator.view import Findings, Notice
 
 if TYPE_CHECKING:
+    from orchestrator.observe.series import Series
     from orchestrator.pool import Pool
 
 JUDGE_S = 1.0
@@ -23,10 +24,13 @@ class Monitor:
     """Watches one call's ranks (see `stall.Watch`): the stall report, the slow ranks, and
     what the status line must say, as last worked out."""
 
-    def __init__(self, pool: Pool, started: float, after_s: float, on_stall: str) -> None:
-        """A monitor of `pool`'s ranks for a call started at `started` (monotonic)."""
+    def __init__(
+        self, pool: Pool, started: float, after_s: float, on_stall: str, *, series: Series, key: str
+    ) -> None:
+        """A monitor of `pool`'s ranks for call `key` started at `started` (monotonic);
+        what it reads goes into the job's `series` too."""
         self.name = pool.name
-        self.watch = Watch(pool, started, after_s)
+        self.watch = Watch(pool, started, after_s, series=series, key=key)
         self.on_stall = on_stall
         self.stall: StallReport | None = None
         """Ranks without progress for `after_s`: who is where (None: all move)."""
@@ -99,22 +103,15 @@ class Monitor:
         """
         return self.stall if self.on_stall == "raise" else None
 
-    def use(self, rank: int) -> str:
-        """What `rank`'s process uses, as last read: '1.0 cores, 0.3 GB, GPU 3.1 GB 87% busy'."""
-        found = self.watch.where.get(rank)
-        if found is None or not found[0].running:
-            return ""
-        where = found[0]
-        text = f"{where.process_cpu:.1f} cores, {where.rss_mb / 1024:.1f} GB"
-        if where.gpu_mb is not None:
-            text += f", GPU {where.gpu_mb / 1024:.1f} GB"
-            text += f" {where.gpu_busy}% busy" if where.gpu_busy is not None else ""
-        return text
-
     def findings(self) -> Findings:
         """What it worked out last, as plain data (see `view.snapshot`)."""
-        uses = {rank: self.use(rank) for rank in self.watch.where}
-        return Findings(self.stall, tuple(self.slow), self.notice, uses)
+        latest = self.watch.series.latest()
+        figures = {
+            rank: latest[rank]
+            for rank, (where, _) in self.watch.where.items()
+            if where.running and rank in latest
+        }
+        return Findings(self.stall, tuple(self.slow), self.notice, figures)
 
     def _notice(self) -> Notice | None:
         """What the status line must say now: ranks without progress, or slow ones."""

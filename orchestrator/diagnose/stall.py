@@ -14,6 +14,7 @@ how long, facts only:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,8 +29,17 @@ from orchestrator_workers.protocol import unwire
 from orchestrator_workers.where import Where
 
 if TYPE_CHECKING:
+    from orchestrator.observe.series import Series
     from orchestrator.pool import Pool
 
+READ_EVERY_S = 1.0
+"""While a watched call runs, how often each node's records are read: where its ranks
+are, and their figures (each rank writes its record once a second, and within 0.2 s of a
+step)."""
+FIRST_READ_S = 1.0
+"""A call shorter than this (or than half its `stall_after`) is never read."""
+LAST_READ_S = 2.0
+"""Once a call that was read returned: how long its ranks' last records may take."""
 ANSWER_S = 10.0
 """A rank that has not looked at its stack for this long does not answer: a C call
 holding the GIL, a stopped process."""
@@ -240,16 +250,20 @@ def report(
 
 
 class Watch:
-    """Reads where a call's ranks are, and where their time went, one rank per node,
-    every few seconds once the call has run 5 s (or `after_s / 2`): a call shorter than
-    that is never read."""
+    """Reads where a call's ranks are, where their time went and their figures, one rank
+    per node, every READ_EVERY_S once the call has run FIRST_READ_S (or `after_s / 2`)."""
 
-    def __init__(self, pool: Pool, started: float, after_s: float) -> None:
-        """A watch over `pool`'s ranks for a call started at `started` (monotonic)."""
+    def __init__(
+        self, pool: Pool, started: float, after_s: float, *, series: Series, key: str
+    ) -> None:
+        """A watch over `pool`'s ranks for call `key` started at `started` (monotonic);
+        each new reading goes into the job's `series`."""
         self.pool = pool
         self.after_s = after_s
-        self.every = min(5.0, max(1.0, after_s / 10))
-        self.next_read = started + min(after_s / 2, 5.0)
+        self.series = series
+        self.key = key
+        self.every = READ_EVERY_S
+        self.next_read = started + min(after_s / 2, FIRST_READ_S)
         self.nodes = {node: reach.ranks for node, reach in pool.routes.nodes.items()}
         self.where: dict[int, tuple[Where, float]] = {}
         self.pending: dict[ray.ObjectRef, tuple[str, int, float]] = {}
@@ -260,6 +274,18 @@ class Watch:
         """Where each rank's time went, for the slow ones (see orchestrator.straggle)."""
         self.readings = 0
         """How many node readings came back: what is judged changes only with them."""
+
+    def last_reading(self, wait_s: float = LAST_READ_S) -> None:
+        """Once the call's ranks returned, where it was read at all: read each node once
+        more (their last steps and reports), within `wait_s`."""
+        if not self.readings:
+            return
+        self.next_read = 0.0
+        self.tick(time.monotonic())
+        until = time.monotonic() + wait_s
+        while self.pending and (left := until - time.monotonic()) > 0:
+            ray.wait(list(self.pending), num_returns=len(self.pending), timeout=left)
+            self.tick(time.monotonic())
 
     def tick(self, now: float) -> float:
         """Take the readings that came back, ask for the next if due; when to tick next."""
@@ -279,6 +305,7 @@ class Watch:
                     if newer(entry, kept[0] if kept is not None else None):
                         self.where[entry.rank] = (entry, now)
                         self.shares.add(entry, now)
+                        self.series.add(entry.rank, self.pool.infos[entry.rank], entry, self.key)
             for _, rank, sent in self.pending.values():
                 if now - sent >= min(READER_S, ANSWER_S):
                     self.mute.add(rank)

@@ -19,10 +19,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.show import summary
 from orchestrator.show.text import clock
+
+if TYPE_CHECKING:
+    from orchestrator.view import CallView
 
 MAX_LINES = 1000
 """Lines a cell shows at most; older ones are only in the job's log files."""
@@ -59,6 +62,50 @@ class RankRow:
     """While it runs: named slower than its peers."""
     use: str = ""
     """While it runs: its process's CPU and memory ('1.0 cores, 0.3 GB'), where read."""
+    step: int | None = None
+    """While it runs: the steps its function completed, where any is known."""
+
+
+def rank_table(
+    name: str,
+    state: str,
+    ranks: Sequence[tuple[int, str | None, str]],
+    last: CallView | None,
+    *,
+    running: bool,
+    elapsed: float,
+    restarts: int,
+    root: tuple[int, str] | None,
+) -> Table:
+    """Job `name`'s table: each of `ranks` (rank, node IP, state) with what its last
+    call (`last`) knows of it, and while `running` how it runs; `root`: the rank of the
+    root cause, and the cause in a line."""
+    view = last if running else None
+    rows = []
+    for rank, node_ip, rank_state in ranks:
+        seen = view.ranks[rank] if view is not None else None
+        figures = seen.figures if seen is not None else None
+        rows.append(
+            RankRow(
+                rank=rank,
+                node=node_ip or "-",
+                state=rank_state,
+                elapsed=elapsed,
+                restarts=restarts,
+                last_line=last.ranks[rank].last_line if last is not None else "",
+                root_cause=root is not None and root[0] == rank,
+                silent_s=seen.silent_s if seen is not None else None,
+                slow=seen is not None and seen.slow,
+                use=seen.use if seen is not None else "",
+                step=figures.step if figures is not None and figures.last_step_at else None,
+            )
+        )
+    rows.sort(key=lambda row: not row.root_cause)
+    report = view.stall if view is not None else None
+    stall = report.line().removeprefix(f"[{name}] ") if report is not None else None
+    slowest = "; ".join(s.sentence() for s in view.slow) if view is not None else ""
+    cause = root[1] if root is not None else None
+    return Table(f"[{name}] {state}", tuple(rows), cause, stall, slowest or None)
 
 
 def _state(row: RankRow) -> str:
@@ -66,7 +113,7 @@ def _state(row: RankRow) -> str:
     return f"{row.state} (slow)" if row.slow else row.state
 
 
-_HEADER = ("rank", "node", "state", "elapsed", "restarts", "CPU, memory", "last output")
+_HEADER = ("rank", "node", "state", "elapsed", "restarts", "step", "CPU, memory", "last output")
 
 
 @dataclass(frozen=True)
@@ -152,6 +199,7 @@ class Table:
                         _state(r) + (" (root cause)" if r.root_cause else ""),
                         clock(r.elapsed),
                         str(r.restarts),
+                        str(r.step) if r.step is not None else "",
                         r.use,
                         r.last_line[:width],
                     ),
@@ -169,6 +217,7 @@ class Table:
                     g.state + (" (root cause)" if g.root_cause else ""),
                     elapsed,
                     restarts,
+                    "",
                     "",
                     g.last_line[:width],
                 ),

@@ -22,6 +22,7 @@ from orchestrator import job as jobs
 from orchestrator.connect import cluster
 from orchestrator.errors import SupervisorLostError
 from orchestrator.job import Job, JobStatus, RankStatus, restart_line
+from orchestrator.observe.series import JobMetrics
 from orchestrator.show import messages
 from orchestrator.show.logs import Console
 from orchestrator.show.notebook import Table
@@ -122,6 +123,11 @@ class FollowedJob(Job[R]):
         if not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank={rank}: job {self.id} has ranks 0-{self.num_ranks - 1}")
         return str(self._link.ask("logs", rank))
+
+    def metrics(self) -> JobMetrics:
+        """The job's numbers over time since it started, as its supervisor keeps them."""
+        found: JobMetrics = unwire(self._link.ask("metrics"))
+        return found
 
     def stacks(self) -> dict[int, str]:
         """Each rank's current stacks while the job runs ({} otherwise)."""

@@ -259,6 +259,10 @@ class Supervisor:
         kept = self._kept(job_id)
         return wire(Snapshot(kept.job.status(), kept.job.table(), kept.journal.position))
 
+    def metrics(self, job_id: str) -> bytes:
+        """The job's numbers over time since it started (a JobMetrics), wired."""
+        return wire(self._kept(job_id).job.metrics())
+
     def _outcome(self, job_id: str, wait_s: float) -> Outcome | None:
         """How the job ended, waiting up to `wait_s` for it; None while it runs."""
         job = self._kept(job_id).job
