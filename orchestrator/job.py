@@ -66,7 +66,8 @@ class JobStatus:
     """One line per failed attempt: which rank, where, and why."""
     stall: str | None = None
     """While running: the ranks without progress for `stall_after`, grouped by where they
-    are, each group's first stack (see orchestrator.stall); None while all move."""
+    are, each group's first stack (see orchestrator.stall), or before that a rank that
+    stopped while its peers wait for it (see diagnose.stopped); None while all move."""
 
     def __str__(self) -> str:
         """E.g. 'train: running (r0 finished, r1 running)'; ranks in one state share a
@@ -205,7 +206,9 @@ class Job(Future[list[R]]):
                 which = f"rank {stopped[0]} waits"
             waiting = f"{which} for a debugger (the attach command is in the output)"
         attempts = tuple(self._failed_attempts)
-        report = view.stall if view is not None and phase == State.RUNNING else None
+        report = (
+            (view.stall or view.stopped) if view is not None and phase == State.RUNNING else None
+        )
         stall = str(report) if report is not None else None
         return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts, stall)
 

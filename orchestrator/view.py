@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.diagnose.stall import StallReport
+from orchestrator.diagnose.stopped import Stopped
 from orchestrator.diagnose.straggle import Straggler
 from orchestrator.observe.figures import Figures
 from orchestrator_workers.states import State
@@ -45,6 +46,8 @@ class Findings:
     """Ranks slower than their peers, the slowest first."""
     notice: Notice | None
     """What the status line must say now (a stall, slow ranks), if anything."""
+    stopped: Stopped | None
+    """A rank that stopped while its peers wait in a collective (see diagnose.stopped)."""
     figures: Mapping[int, Figures]
     """Each rank's figures as last read while it runs (a rank not read: none)."""
 
@@ -91,6 +94,8 @@ class CallView:
     """Ranks slower than their peers, the slowest first."""
     notice: Notice | None
     """What the status line must say now (a stall, slow ranks), if anything."""
+    stopped: Stopped | None
+    """A rank that stopped while its peers wait in a collective."""
     log_dir: Path | None
 
 
@@ -132,5 +137,6 @@ def snapshot(
         stall=findings.stall if findings is not None else None,
         slow=findings.slow if findings is not None else (),
         notice=findings.notice if findings is not None else None,
+        stopped=findings.stopped if findings is not None else None,
         log_dir=console.log_dir,
     )

@@ -59,3 +59,57 @@ def test_stall_after_none_counts_nothing(cluster):
         job = fn.submit(6, 0.25)
         assert job.result(timeout=120) == [6, 6]
     assert job.metrics().processes == ()
+
+
+def pauses(steps: int, pause: float, eval_s: float, stop_s: float) -> int:
+    """`steps` quick steps, then rank 0 evaluates (on CPU) for `eval_s` while rank 1 waits
+    in all_reduce; `steps` more, then rank 1 stops (sleeps) for `stop_s` while rank 0
+    waits; then one more step each."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    weights = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([weights], lr=0.01)
+
+    def step() -> None:
+        grad = torch.ones(4)
+        dist.all_reduce(grad)
+        weights.grad = grad
+        optimizer.step()
+        time.sleep(pause)
+
+    for _ in range(steps):
+        step()
+    until = time.monotonic() + eval_s
+    while rank == 0 and time.monotonic() < until:  # an evaluation: a pause, not a stop
+        sum(i * i for i in range(10_000))
+    step()
+    for _ in range(steps):
+        step()
+    if rank == 1:
+        time.sleep(stop_s)  # stopped: no progress, no CPU, no I/O
+    step()
+    dist.destroy_process_group()
+    return rank
+
+
+def test_a_stopped_rank_is_named_in_seconds_and_a_busy_pause_is_not(cluster):
+    seen: list[tuple[float, str]] = []
+    with distribute(pauses, num_replicas=2, stall_after=60, log_dir=False, name="pauses") as fn:
+        job = fn.submit(12, 0.05, 11.0, 16.0)
+        while not job.done():
+            stall = job.status().stall
+            seen.append((time.monotonic(), stall or ""))
+            time.sleep(0.5)
+        assert job.result(timeout=5) == [0, 1]  # never ends the call
+    named = [(at, text) for at, text in seen if "stopped" in text]
+    assert named, "rank 1 was never named stopped"
+    assert all(
+        text.startswith("[pauses] rank 1 stopped: no progress, CPU or I/O") for _, text in named
+    )
+    assert "waits in all_reduce" in named[0][1] or "wait" in named[0][1], named[0][1]
+    # Named only in its sleep (the last 16 s before the end), never in rank 0's evaluation.
+    assert seen[-1][0] - named[0][0] < 16.0, seen[-1][0] - named[0][0]
+    assert not any("rank 0 stopped" in text for _, text in seen)

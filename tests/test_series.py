@@ -82,9 +82,11 @@ def test_samples_per_second_and_reported_scalars_over_time():
             samples_total=32.0 * (i + 1),
         )
         kept.add(0, _info(11), record, "c1")
+    kept.add(0, _info(11), record, "c1")  # read again after its call ended: no new report
     process = kept.metrics().processes[0]
     rates = process.detail["samples_per_s"]
-    assert math.isnan(rates[0]) and rates[1:] == pytest.approx((32.0, 32.0, 32.0), rel=0.05)
+    assert math.isnan(rates[0]) and math.isnan(rates[-1])
+    assert rates[1:4] == pytest.approx((32.0, 32.0, 32.0), rel=0.05)
     loss = process.scalars["loss"]
     assert loss["detail"]["value"] == pytest.approx((1.0, 0.5, 1 / 3, 0.25))  # 4-byte floats
     assert len(loss["minutes"]["value"]) in (1, 2)  # the mean a minute, so far

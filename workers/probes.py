@@ -25,6 +25,39 @@ def rss_mb() -> float:
         return 0.0
 
 
+def activity() -> tuple[float, int]:
+    """CPU seconds this process and its children (a data loader's workers) have used, and
+    the bytes it has read and written (files, pipes and sockets alike), so far."""
+    used = time.process_time()
+    try:
+        with open("/proc/self/io", "rb") as io:
+            fields = dict(line.split(b":") for line in io.read().splitlines())
+        moved = int(fields[b"rchar"]) + int(fields[b"wchar"])
+    except (OSError, ValueError, KeyError):
+        moved = 0
+    tick = os.sysconf("SC_CLK_TCK")
+    for child in _children():
+        try:
+            with open(f"/proc/{child}/stat", "rb") as stat:
+                after_name = stat.read().rsplit(b")", 1)[1].split()
+            used += (int(after_name[11]) + int(after_name[12])) / tick  # utime, stime
+        except (OSError, ValueError, IndexError):
+            continue
+    return used, moved
+
+
+def _children() -> list[str]:
+    """This process's children (of each of its threads), by pid."""
+    found: list[str] = []
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children", "rb") as children:
+                found += children.read().decode().split()
+    except OSError:
+        pass
+    return found
+
+
 def cpu_clock() -> int:
     """The calling thread's CPU clock, for other threads of this process to read."""
     try:

@@ -34,6 +34,11 @@ RECORDER_AFTER_S = 2.0
 """How long a stack stays the same before the rank reads torch's flight recorder."""
 RECORDER_EVERY_S = 5.0
 """While it stays the same, how often the recorder is read again."""
+IDLE_CORES = 0.1
+IDLE_BYTES_S = 100_000
+"""A process (with its children) that, while its stack stays the same, uses less CPU and
+I/O than these on average is quiet: a rank that stopped, not one that saves a
+checkpoint, evaluates, or waits for its data loader's workers."""
 
 
 class Sampler:
@@ -63,6 +68,9 @@ class Sampler:
         call yet; its first look reads it, so that `begin` costs next to nothing)."""
         self._last_process = (0.0, 0.0)
         self._process_cpu = 0.0
+        self._activity: tuple[float, int] | None = None
+        """The process's CPU and I/O once its stack stayed (None: not read since it moved)."""
+        self._since_activity = 0.0
         self._looks = 0
         self._sampler_s = 0.0
         self._broken = False
@@ -91,6 +99,7 @@ class Sampler:
             self._clock, self._cpu = probes.cpu_clock(), 0.0
             self._last_cpu = None
             self._last_process, self._process_cpu = (now, time.process_time()), 0.0
+            self._activity = None
             self._looks, self._places, self._functions, self._phases = 0, {}, {}, {}
             self._ident = threading.get_ident()
             PROGRESS.begin()
@@ -150,8 +159,9 @@ class Sampler:
             stack = after_entry(frames_of(frame), "_run") or []
             key = tuple((f.f_code, f.f_lineno) for f in stack)
             del frame
-            if key != self._key:
-                self._key, self._since, self._collective = key, now, ""
+            if key != self._key:  # progress; the recorder's last reading is of before
+                self._key, self._since, self._collective, self._activity = key, now, "", None
+                self._recorded = ("", 0.0)
                 self._frames = tuple(
                     frame_at(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f in stack
                 )
@@ -186,6 +196,20 @@ class Sampler:
         phase[0] += 1
         phase[1] += rate
 
+    def _quiet(self, now: float) -> float:
+        """How long the process (and its children) has kept quiet: its stack's stillness
+        where, over it, it used under IDLE_CORES and IDLE_BYTES_S on average; else 0."""
+        used, moved = probes.activity()
+        used -= self._sampler_s  # its own looks (the flight recorder's reading) are not the rank's
+        if self._activity is None:  # read first once the stack stays: from then on
+            self._activity, self._since_activity = (used, moved), now
+            return 0.0
+        span = max(now - self._since_activity, 1e-3)
+        was_used, was_moved = self._activity
+        if (used - was_used) / span >= IDLE_CORES or (moved - was_moved) / span >= IDLE_BYTES_S:
+            return 0.0
+        return now - self._since
+
     def _recorder(self, now: float) -> None:
         """While the stack stays the same, read torch's flight recorder now and then: a
         collective that moved on is progress (a GPU loop that waits on one line for its
@@ -196,7 +220,7 @@ class Sampler:
         seen = probes.last_collective()
         self._recorded = (seen, now)
         if seen and last and seen != last:
-            self._since = now
+            self._since, self._activity = now, None
         self._collective = seen
 
     def _write(self, now: float, *, running: bool) -> None:
@@ -248,5 +272,6 @@ class Sampler:
             scalars=scalars,
             reported_at=reported_at,
             samples_total=samples,
+            quiet_s=round(self._quiet(now), 2),
         )
         self._record.write(where, now)

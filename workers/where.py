@@ -83,6 +83,10 @@ class Where:
     """When it last reported (wall clock; 0: never in this call)."""
     samples_total: float = 0.0
     """The `samples` it reported in this call, in all."""
+    quiet_s: float = 0.0
+    """How long its stack has stayed the same with its process (and its children) using,
+    on average, under a tenth of a core and under 100 KB/s of I/O (else 0), as of the
+    reading (see sampler.IDLE_CORES)."""
 
 
 class Writer:
@@ -181,6 +185,7 @@ def _record(path: Path, rank: int, now: float) -> Where | None:
                     (int(n), float(at), float(s)) for n, at, s in fields.get("recent_steps", ())
                 ),
                 still_s=max(0.0, float(fields["still_s"]) + now - at),
+                quiet_s=max(0.0, float(fields.get("quiet_s", 0.0)) + now - at),
                 age_s=max(0.0, now - at),
             )
             return Where(**fields)

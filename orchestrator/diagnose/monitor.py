@@ -7,6 +7,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from orchestrator.diagnose.stall import StallReport, Watch, report
+from orchestrator.diagnose.stopped import N, Stopped, find, threshold
 from orchestrator.diagnose.straggle import Straggler
 from orchestrator.view import Findings, Notice
 
@@ -38,6 +39,8 @@ class Monitor:
         """Ranks slower than their peers, the slowest first (see diagnose.straggle)."""
         self.notice: Notice | None = None
         """What the status line must say now, as last worked out."""
+        self.stopped: Stopped | None = None
+        """A rank that stopped while its peers wait for it (see diagnose.stopped)."""
         self._judged = 0.0
         self._compared = 0
         """Node readings the slow ranks were last worked out from."""
@@ -74,8 +77,9 @@ class Monitor:
                 if where.call == call_key and not where.running
             }  # a handed-off call's outcomes come together, once all are done
             moving = running - returned
-            self.stall = None
+            self.stall = self.stopped = None
             if not any(waits_on.values()):
+                self.stopped = self._stopped(now, moving, last_output)
                 self.stall = report(
                     self.name,
                     now,
@@ -111,13 +115,24 @@ class Monitor:
             for rank, (where, _) in self.watch.where.items()
             if where.running and rank in latest
         }
-        return Findings(self.stall, tuple(self.slow), self.notice, figures)
+        return Findings(self.stall, tuple(self.slow), self.notice, self.stopped, figures)
+
+    def _stopped(
+        self, now: float, moving: set[int], last_output: Sequence[float]
+    ) -> Stopped | None:
+        """The rank that stopped, once every running rank completed enough steps."""
+        after_s = threshold(self.watch.series.recent(N), moving)
+        if after_s is None:
+            return None
+        return find(self.name, now, self.watch.where, moving, last_output, after_s=after_s)
 
     def _notice(self) -> Notice | None:
         """What the status line must say now: ranks without progress, or slow ones."""
         if self.stall is not None:  # said again at once when who waits where changes
             key = tuple((g.ranks, str(g.place)) for g in self.stall.groups if not g.moving)
             return Notice(key, self.stall.line(), str(self.stall))
+        if self.stopped is not None:
+            return Notice(("stopped", self.stopped.rank), self.stopped.line(), str(self.stopped))
         if self.slow:
             line = f"[{self.name}] " + "; ".join(s.sentence() for s in self.slow)
             return Notice(tuple(s.rank for s in self.slow), line, line)

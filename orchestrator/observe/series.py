@@ -147,11 +147,12 @@ class _Process:
             self._minute(step[1]).step(step[2])
         if new_steps:
             self.last_step = new_steps[-1][0]
-        rate = math.nan
-        if self.last_samples is not None and at > self.last_samples[0]:
-            rate = (where.samples_total - self.last_samples[1]) / (at - self.last_samples[0])
-        if where.reported_at:
-            self.last_samples = (at, where.samples_total)
+        rate = math.nan  # samples between the last two reports read, over their time apart
+        was = self.last_samples
+        if was is not None and where.reported_at > was[0]:
+            rate = (where.samples_total - was[1]) / (where.reported_at - was[0])
+        if where.reported_at and (was is None or where.reported_at > was[0]):
+            self.last_samples = (where.reported_at, where.samples_total)
         figures = from_record(where, at, rate if where.samples_total else None)
         self.latest = figures
         self.detail.add(figures.row(at))
@@ -319,6 +320,20 @@ class Series:
         with self._lock:
             processes = tuple(p.metrics() for p in self._processes.values())
             return JobMetrics(processes, self._job.rows())
+
+    def recent(self, count: int) -> dict[int, tuple[int, list[float]]]:
+        """Each rank's steps completed and its newest `count` steps' lengths (its newest
+        process's)."""
+        with self._lock:
+            found: dict[int, tuple[float, int, list[float]]] = {}
+            for process in self._processes.values():
+                if not process.ranks:
+                    continue
+                since, rank = process.ranks[-1]
+                if rank not in found or since >= found[rank][0]:
+                    seconds = process.steps.tail(count)
+                    found[rank] = (since, process.last_step, [s["seconds"] for s in seconds])
+            return {rank: (done, seconds) for rank, (_, done, seconds) in found.items()}
 
     def latest(self) -> dict[int, Figures]:
         """Each rank's figures as last read (its newest process's)."""

@@ -64,6 +64,8 @@ class RankRow:
     """While it runs: its process's CPU and memory ('1.0 cores, 0.3 GB'), where read."""
     step: int | None = None
     """While it runs: the steps its function completed, where any is known."""
+    stopped: bool = False
+    """While it runs: named stopped while its peers wait for it (see diagnose.stopped)."""
 
 
 def rank_table(
@@ -96,6 +98,7 @@ def rank_table(
                 root_cause=root is not None and root[0] == rank,
                 silent_s=seen.silent_s if seen is not None else None,
                 slow=seen is not None and seen.slow,
+                stopped=view is not None and view.stopped is not None and view.stopped.rank == rank,
                 use=seen.use if seen is not None else "",
                 step=figures.step if figures is not None and figures.last_step_at else None,
             )
@@ -110,6 +113,8 @@ def rank_table(
 
 def _state(row: RankRow) -> str:
     """The row's state as shown: 'running (slow)' for a slow rank."""
+    if row.stopped:
+        return f"{row.state} (stopped)"
     return f"{row.state} (slow)" if row.slow else row.state
 
 
