@@ -18,6 +18,7 @@ from orchestrator import runner, shipping
 from orchestrator.connect import cluster
 from orchestrator.errors import BusyError
 from orchestrator.job import Job, Submission, stop_all
+from orchestrator.observe import dashboard
 from orchestrator.options import (
     DEFAULT_PREFIX,
     RETENTION_S,
@@ -119,6 +120,8 @@ class DistributedFunction(Generic[P, R]):
         # The pool lives while a job of it is not done: the job keeps this function alive.
         call = Submission(payload, uses_torch, self.options, self, show_in_cell, waits)
         job: Job[R] = self._runner.submit(call)
+        if not self.options.detach:
+            dashboard.submitted(job)  # on this driver's page, started with its first job
         if job._cell is not None:
             job._cell.tick_while(lambda: not job.done())  # the elapsed times move on
         return job

@@ -1,5 +1,5 @@
 """The `orchestrator` command line: `run` a script on every rank, `nodes`, `stacks`, `attach`,
-and the detached jobs: `jobs`, `logs`, `stop`."""
+and the detached jobs: `jobs`, `logs`, `stop`, `dashboard`."""
 
 from __future__ import annotations
 
@@ -314,6 +314,22 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
         "supervisor; or the key of a record that cannot be read, as the warning wrote it",
     )
     stop_cmd.add_argument("--address", help=address_help)
+    page_cmd = commands.add_parser(
+        "dashboard",
+        help="serve a page of the cluster's detached jobs and warm pools on 127.0.0.1",
+        description="Serve a page (on 127.0.0.1, with a secret token in its address) that "
+        "lists the cluster's detached jobs and warm pools; each job's ranks, numbers over "
+        "time, output and stacks. Prints its address; runs until Ctrl-C. The page takes "
+        "no action: `orchestrator stop` stops a job.",
+    )
+    page_cmd.add_argument("--address", help=address_help)
+    page_cmd.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+
+
+def _dashboard(address: str | None, port: int) -> int:
+    from orchestrator.cli.dashboard import dashboard  # the page's modules: only for it
+
+    return dashboard(address, port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": lambda: jobs.jobs(args.address),
         "logs": lambda: jobs.logs(args.id, args.rank, args.follow, args.address),
         "stop": lambda: jobs.stop(args.id, args.address),
+        "dashboard": lambda: _dashboard(args.address, args.port),
     }
     try:
         return commands_of[args.command]()

@@ -6,6 +6,7 @@ import codecs
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,9 @@ PARTIAL_DELAY_S = 0.2
 """A line without its newline yet is shown after this long (a prompt, a progress bar)."""
 PROGRESS_INTERVAL_S = 1.0
 """A progress bar redrawn with carriage returns is shown at most this often."""
+
+SHOWN_KEPT = 2000
+"""The newest shown lines a console keeps for a page to read (see `Console.shown`)."""
 
 _COLOURS = (36, 32, 33, 35, 34, 91, 92, 93, 94, 95, 96)
 _RAY_MARKERS = tuple(marker.decode() for marker in RAY_MARKERS)
@@ -91,6 +95,10 @@ class Console:
         folding = fold_by_default(len(shown)) if fold is None else fold
         self.folder = Folder(shown) if folding else None
         """Folds the shown lines before they are written; None: each line as it comes."""
+        self.shown: deque[tuple[int, str, str]] = deque(maxlen=SHOWN_KEPT)
+        """The newest lines shown, folded as shown, each (its number, stream, line with its
+        prefix, uncoloured): what a page reads of the live output."""
+        self.shown_count = 0
 
     def close_logs(self) -> None:
         """Show the folded lines still pending, then flush and close the log files."""
@@ -231,6 +239,11 @@ class Console:
         out: TextIO = sys.stdout if stream == "stdout" else sys.stderr
         colour = self.sink is None and _is_tty(out)
         text = "".join(f"{self._prefix(line.ranks, colour)}{line.text}\n" for line in lines)
+        for line in lines:
+            self.shown_count += 1
+            self.shown.append(
+                (self.shown_count, stream, f"{self._prefix(line.ranks, False)}{line.text}")
+            )
         if self.sink is not None:
             self.sink(stream, text)
             return

@@ -1,0 +1,110 @@
+"""Each running rank's figures as Prometheus text (the page's `/metrics`): one gauge per
+figure, labelled job, rank, node and pid, in base units (seconds, bytes, a ratio)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from orchestrator.observe.figures import Figures
+from orchestrator.observe.reading import RankFigures
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""Prometheus's text format, as its scrapers ask for it."""
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """One metric: its name, what it says, and its value from a rank's figures (None: not
+    known, so no sample)."""
+
+    name: str
+    help: str
+    value: Callable[[RankFigures], float | None]
+
+
+def _of(read: Callable[[Figures], float | None]) -> Callable[[RankFigures], float | None]:
+    return lambda rank: read(rank.figures)
+
+
+GAUGES = (
+    Gauge(
+        "orchestrator_rank_step",
+        "Steps the rank's function completed in this call (optimizer steps, or report(step=)).",
+        _of(lambda f: float(f.step) if f.last_step_at is not None else None),
+    ),
+    Gauge(
+        "orchestrator_rank_step_seconds",
+        "How long the rank's newest step took.",
+        _of(lambda f: f.step_s),
+    ),
+    Gauge(
+        "orchestrator_rank_last_step_timestamp_seconds",
+        "When the rank's newest step ended (Unix time).",
+        _of(lambda f: f.last_step_at),
+    ),
+    Gauge(
+        "orchestrator_rank_samples_per_second",
+        "Samples a second, from the samples the function reports.",
+        _of(lambda f: f.samples_per_s),
+    ),
+    Gauge(
+        "orchestrator_rank_cpu_cores",
+        "CPU the rank's process uses, in cores (every thread, and its children).",
+        _of(lambda f: f.cpu),
+    ),
+    Gauge(
+        "orchestrator_rank_memory_bytes",
+        "The rank's process's resident memory.",
+        _of(lambda f: f.rss_mb * 2**20),
+    ),
+    Gauge(
+        "orchestrator_rank_gpu_memory_bytes",
+        "CUDA memory torch allocated on the rank's GPU (where CUDA is up).",
+        _of(lambda f: f.gpu_mb * 2**20 if f.gpu_mb is not None else None),
+    ),
+    Gauge(
+        "orchestrator_rank_gpu_utilization_ratio",
+        "Share of the last sample period the rank's GPU ran a kernel (0 to 1).",
+        _of(lambda f: f.gpu_busy / 100 if f.gpu_busy is not None else None),
+    ),
+    Gauge(
+        "orchestrator_rank_read_timestamp_seconds",
+        "When the rank wrote these figures (Unix time).",
+        _of(lambda f: f.at),
+    ),
+    Gauge(
+        "orchestrator_rank_slow",
+        "1 where the rank is named slower than its peers, else 0.",
+        lambda rank: float(rank.slow),
+    ),
+    Gauge(
+        "orchestrator_rank_stalled",
+        "1 where the rank is named in a stall report (no progress for stall_after), else 0.",
+        lambda rank: float(rank.stalled),
+    ),
+)
+
+
+def text(jobs: Iterable[tuple[str, Iterable[RankFigures]]]) -> str:
+    """The exposition of each (job label, its ranks' figures)."""
+    ranks = [(job, rank) for job, figures in jobs for rank in figures]
+    lines = []
+    for gauge in GAUGES:
+        lines += [f"# HELP {gauge.name} {gauge.help}", f"# TYPE {gauge.name} gauge"]
+        for job, rank in ranks:
+            value = gauge.value(rank)
+            if value is not None and not math.isnan(value):  # NaN: not known
+                lines.append(f"{gauge.name}{{{_labels(job, rank)}}} {value!r}")
+    return "\n".join(lines) + "\n"
+
+
+def _labels(job: str, rank: RankFigures) -> str:
+    pairs = {"job": job, "rank": str(rank.rank), "node": rank.node, "pid": str(rank.pid)}
+    return ",".join(f'{key}="{_escaped(value)}"' for key, value in pairs.items())
+
+
+def _escaped(value: str) -> str:
+    """A label value as the text format writes it: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,147 @@
+"""A driver's page in a real browser (Debian's chromium, driven by Selenium): a running
+2-rank job's table moves, a rank's output and the stacks open on a click, what the ranks
+print is shown as text, and /metrics answers the page's token as a bearer token.
+
+`ORCHESTRATOR_SCREENSHOT=docs/dashboard.png` saves the page there (the README's picture).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator import distribute
+from orchestrator.observe import dashboard
+from tests.helpers import wait_for
+
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+HOSTILE = "<img src=x onerror=alert(1)>"
+
+
+def work(steps: int, pause: float) -> int:
+    """A DDP loop on gloo that prints a line no page may take as HTML."""
+    import torch
+    import torch.distributed as dist
+
+    import orchestrator
+
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = model(torch.randn(8, 4)).sum()
+        loss.backward()
+        optimizer.step()
+        orchestrator.report(loss=loss.item(), samples=8 * (1 + dist.get_rank()))
+        print(f"step {step} loss {loss.item():.3f} {HOSTILE}", flush=True)
+        time.sleep(pause * (1 + dist.get_rank()))
+    dist.destroy_process_group()
+    return steps
+
+
+def _chromedriver() -> Path:
+    """Debian's chromedriver, installed now where it is missing and this may (root, apt)."""
+    if CHROMEDRIVER.exists():
+        return CHROMEDRIVER
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip(
+            "needs Debian's chromium and chromium-driver (/usr/bin/chromedriver): "
+            "`sudo apt-get install -y chromium chromium-driver`"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    done = subprocess.run(
+        ["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0 or not CHROMEDRIVER.exists():
+        pytest.skip(f"apt-get install chromium chromium-driver failed: {done.stderr[-500:]}")
+    return CHROMEDRIVER
+
+
+@pytest.fixture
+def browser(processes: None) -> Iterator[Any]:
+    """Headless chromium, 1440 x 1100."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    driver_path = _chromedriver()
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    options.add_argument("--window-size=1440,1100")
+    chrome = webdriver.Chrome(service=Service(str(driver_path)), options=options)
+    chrome.set_page_load_timeout(30)
+    try:
+        yield chrome
+    finally:
+        chrome.quit()
+
+
+def _text(chrome: Any, css: str) -> str:
+    """The text of the element `css` selects now ('' for none), read in the page."""
+    found = chrome.execute_script(f"return document.querySelector('{css}')?.textContent", [])
+    return str(found or "")
+
+
+def _step(chrome: Any, rank: int) -> int:
+    text = _text(chrome, f'#ranks tr[data-rank="{rank}"] td.step')
+    return int(text) if text.isdigit() else -1
+
+
+def test_a_running_job_s_page_in_a_browser(cluster, browser):
+    from selenium.webdriver.common.by import By
+
+    with distribute(work, num_replicas=2, stall_after=30, name="page") as fn:
+        job = fn.submit(400, 0.1)
+        address = dashboard.link(job)
+        assert address is not None and "?token=" in address
+        browser.get(address)
+        wait_for(lambda: _step(browser, 1) > 0, 120, "rank 1's step on the page")
+        first = _step(browser, 1)
+        wait_for(lambda: _step(browser, 1) > first, 30, "rank 1's row to move on")
+
+        # What the ranks print is shown as text: no element made of it.
+        wait_for(lambda: HOSTILE in browser.find_element(By.ID, "output").text, 30, "output")
+        assert HOSTILE in _text(browser, '#ranks tr[data-rank="0"] td.line')  # its last line
+        assert not browser.find_elements(By.TAG_NAME, "img")
+
+        browser.find_element(
+            By.CSS_SELECTOR, '#ranks tr[data-rank="1"] button[data-action=log]'
+        ).click()
+        panel = browser.find_element(By.ID, "panel-body")
+        wait_for(lambda: "step 1 loss" in panel.text, 30, "rank 1's whole output")
+        assert "step 0 loss" in panel.text and HOSTILE in panel.text
+        browser.find_element(By.ID, "panel-close").click()
+        browser.find_element(By.ID, "all-stacks").click()
+        wait_for(lambda: "in work" in panel.text, 30, "the ranks' stacks")
+        assert not browser.find_elements(By.TAG_NAME, "img")
+        browser.find_element(By.ID, "panel-close").click()
+
+        token = address.split("?token=")[1].split("#")[0]
+        scrape = urllib.request.Request(  # noqa: S310 - the page's own address
+            address.split("?")[0] + "metrics", headers={"Authorization": f"Bearer {token}"}
+        )
+        with urllib.request.urlopen(scrape, timeout=10) as answer:  # noqa: S310 - the same
+            families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
+        steps = families["orchestrator_rank_step"].samples
+        ours = sorted(s.labels["rank"] for s in steps if s.labels["pid"] in map(str, fn.pids()))
+        assert ours == ["0", "1"]
+
+        if os.environ.get("ORCHESTRATOR_SCREENSHOT"):
+            time.sleep(15)  # the plots fill a little
+            browser.save_screenshot(os.environ["ORCHESTRATOR_SCREENSHOT"])
+        job.cancel()
