@@ -69,8 +69,12 @@ def torchrun_results(
         pool.shutdown(cancel_futures=True)
 
 
+STOPPED = " stopped: no progress"
+"""How a stopped rank is named (diagnose.stopped): never for these clients' loops."""
+
+
 @pytest.mark.parametrize("client", CLIENTS)
-def test_a_client_library_runs_unchanged(client, torchrun_results, cluster, tmp_path):
+def test_a_client_library_runs_unchanged(client, torchrun_results, cluster, tmp_path, capfd):
     launched = {}
     with ThreadPoolExecutor(len(LAYOUTS)) as pool:
         for layout in LAYOUTS:
@@ -97,8 +101,11 @@ def test_a_client_library_runs_unchanged(client, torchrun_results, cluster, tmp_
         ) as fn:
             distributed = fn()
     expected = torchrun_results[client].result()
+    shown = capfd.readouterr()
+    assert STOPPED not in shown.err + shown.out  # no false alarm (diagnose.stopped)
     for layout, (results, run) in launched.items():
         proc = run.result()
         assert proc.returncode == 0, show(proc)
+        assert STOPPED not in proc.stderr + proc.stdout, show(proc)
         assert _results(results) == expected, (layout, show(proc))
     assert distributed == expected

@@ -23,6 +23,7 @@ def test_quick_soak_meets_every_target(processes):
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert " stopped: no progress" not in proc.stdout + proc.stderr  # no false alarm
     table = proc.stdout.split("calls per outcome:", 1)[1]
     assert " NO" not in table, table
     assert "wrong results" in table and "placement groups left" in table, table
