@@ -8,12 +8,12 @@ What it measures, for each tree ("old": --baseline-tree, a checkout of an older 
 "new": this working tree):
 
   warm no-op call    a live distributed no-op on 4 ranks (2 per node), then a detached one
-                     (detach=True) on 4 ranks, then a live one on 16 ranks (8 per node;
-                     --no-16 leaves it out): a few warm-ups, then --calls calls timed one by
-                     one from the driver. One child process per tree and round starts a
-                     ray.cluster_utils.Cluster of 2 simulated nodes (its own RAY_TMPDIR; the
-                     ranks at niceness 0, as on the embedded instance), makes the three pools
-                     one after another, and stops it.
+                     (detach=True) on 4 ranks, then a live and a detached one on 16 ranks (8
+                     per node; --no-16 leaves them out): a few warm-ups, then --calls calls
+                     timed one by one from the driver. One child process per tree and round
+                     starts a ray.cluster_utils.Cluster of 2 simulated nodes (its own
+                     RAY_TMPDIR; the ranks at niceness 0, as on the embedded instance), makes
+                     the four pools one after another, and stops it.
   snapshot.save      orchestrator_workers.snapshot.save through a real keeper: 2 ranks in 2
                      processes on 2 simulated nodes (gloo, each the other's buddy), states
                      of 1 KB and 16 MB; after 3 warm-up saves, --saves saves of each size,
@@ -104,13 +104,14 @@ def _wait_cpus(total: float, timeout: float = 60) -> None:
 
 
 def calls_child(calls: int, big: bool, result: Path) -> None:
-    """Warm no-op calls: live and detached at 4 ranks, live at 16 (when `big`); JSON out."""
+    """Warm no-op calls: live and detached at 4 ranks, and at 16 (when `big`); JSON out."""
     import ray
     from ray.cluster_utils import Cluster
 
     from orchestrator import distribute
 
-    ways = [("live", 4, False), ("detached", 4, True)] + ([("live", 16, False)] if big else [])
+    ways = [("live", 4, False), ("detached", 4, True)]
+    ways += [("live", 16, False), ("detached", 16, True)] if big else []
     per_node = max(ranks for _, ranks, _ in ways) // 2
     node_args = {"num_cpus": per_node, "object_store_memory": 200 << 20}
     # the ranks at the driver's niceness, as on the embedded instance and the local runtime
