@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from orchestrator import crash, shipping
 from orchestrator.channel import POLL_S, CallOutput
@@ -45,6 +45,8 @@ _GATHER_S = 0.3
 _IDLE_S = 0.5
 """Otherwise, while the ranks are quiet, the driver wakes when a run ends or a rank
 prints, and at least this often, to see a stop (which kills the ranks: their runs end)."""
+_QUICK_S = 0.05
+"""How long a call's first look waits for all its outcomes at once (a warm call's come)."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,7 @@ class Call:
 
     def _watch(self) -> None:
         console, output = self.console, self.output
+        self._take_all(list(self.runs), quick=True)  # a warm call's: no wait, one get
         while self._busy():
             if self.stop.is_set():
                 raise StopRequested
@@ -298,13 +301,16 @@ class Call:
     def _busy(self) -> bool:
         return bool(self.runs) or self.output.owes(self.owed)
 
-    def _take_all(self, refs: list[ray.ObjectRef]) -> None:
-        """Take the outcomes these finished tasks bring, fetched together where all are there."""
+    def _take_all(self, refs: list[ray.ObjectRef], *, quick: bool = False) -> None:
+        """Take the outcomes these finished tasks bring, fetched together where all are there;
+        `quick`: all if within _QUICK_S, else none (through Ray Client: one request)."""
         if not refs:
             return
         try:
-            values: list[bytes | None] = ray.get(refs)
-        except RayActorError:  # one is gone: each on its own below
+            values: list[bytes | None] = ray.get(refs, timeout=_QUICK_S if quick else None)
+        except (GetTimeoutError, RayActorError):  # quick: none yet; else one is gone: each below
+            if quick:
+                return
             values = [None] * len(refs)
         for ref, value in zip(refs, values, strict=True):
             awaited = self.runs.pop(ref)
