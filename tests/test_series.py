@@ -46,10 +46,10 @@ def test_each_step_is_kept_once_with_its_own_time_and_the_figures_per_reading():
     kept.add(0, _info(11), _record(steps, cpu=2.0), "c1")  # steps 1-3 again: not twice
     kept.add(0, _info(11), _record(steps, call="old"), "c1")  # another call's record
     process = kept.metrics().by_rank()[0]
-    assert process.steps["step"] == (1, 2, 3, 4, 5)
-    assert process.steps["at"] == tuple(s[1] for s in steps)
-    assert process.detail["step"] == (3, 5)
-    assert process.detail["cpu"] == (1.0, 2.0)
+    assert tuple(process.steps["step"]) == (1, 2, 3, 4, 5)
+    assert tuple(process.steps["at"]) == tuple(s[1] for s in steps)
+    assert tuple(process.detail["step"]) == (3, 5)
+    assert tuple(process.detail["cpu"]) == (1.0, 2.0)
     assert process.latest is not None and process.latest.step == 5
     assert process.latest.use() == "2.0 cores, 0.1 GB"
     assert kept.latest()[0].step_s == 1.0
@@ -65,8 +65,8 @@ def test_series_are_kept_by_process_with_the_rank_over_time_and_a_new_attempt_co
     metrics = kept.metrics()
     assert [p.pid for p in metrics.processes] == [11, 12]
     first = metrics.processes[0]
-    assert [rank for _, rank in first.ranks] == [3, 2] and first.steps["step"] == (1, 2)
-    assert metrics.processes[1].steps["step"] == (1, 1)  # the restart's step 1 is new
+    assert [rank for _, rank in first.ranks] == [3, 2] and tuple(first.steps["step"]) == (1, 2)
+    assert tuple(metrics.processes[1].steps["step"]) == (1, 1)  # the restart's step 1 is new
     assert {rank: p.pid for rank, p in metrics.by_rank().items()} == {2: 11, 3: 12}
 
 
@@ -86,9 +86,9 @@ def test_samples_per_second_and_reported_scalars_over_time():
     process = kept.metrics().processes[0]
     rates = process.detail["samples_per_s"]
     assert math.isnan(rates[0]) and math.isnan(rates[-1])
-    assert rates[1:4] == pytest.approx((32.0, 32.0, 32.0), rel=0.05)
+    assert tuple(rates[1:4]) == pytest.approx((32.0, 32.0, 32.0), rel=0.05)
     loss = process.scalars["loss"]
-    assert loss["detail"]["value"] == pytest.approx((1.0, 0.5, 1 / 3, 0.25))  # 4-byte floats
+    assert tuple(loss["detail"]["value"]) == pytest.approx((1.0, 0.5, 1 / 3, 0.25))  # 4-byte floats
     assert len(loss["minutes"]["value"]) in (1, 2)  # the mean a minute, so far
 
 
@@ -102,7 +102,7 @@ def test_minutes_are_summed_per_process_and_across_processes_within_the_bound():
             kept.add(rank, _info(100 + rank), record, "c1")
     metrics = kept.metrics()
     minutes = metrics.processes[3].minutes
-    assert minutes["steps"][:9] == (60,) * 9
+    assert tuple(minutes["steps"][:9]) == (60,) * 9
     assert minutes["step_s"][0] == pytest.approx(4.0) and minutes["cpu"][0] == pytest.approx(3)
     across = metrics.minutes
     assert across["processes"][0] == 4

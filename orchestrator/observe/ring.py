@@ -7,6 +7,9 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
+Column = array
+"""A column of a series: an array of doubles (times) or floats (figures), oldest first."""
+
 TIMES = frozenset({"at", "minute"})
 """Columns that hold a time (wall clock): doubles."""
 
@@ -46,11 +49,11 @@ class Ring:
             found.append({name: c[index] for name, c in zip(self.columns, self.data, strict=True)})
         return found
 
-    def rows(self) -> dict[str, tuple[float, ...]]:
-        """Each column, oldest first."""
+    def rows(self) -> dict[str, Column]:
+        """Each column, oldest first: a copy, as an array (copied in one piece)."""
         start = self.added % self.size if self.added > self.size else 0
         return {
-            name: tuple(column[start:]) + tuple(column[:start])
+            name: column[start:] + column[:start]
             for name, column in zip(self.columns, self.data, strict=True)
         }
 

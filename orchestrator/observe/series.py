@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from orchestrator.observe.figures import Figures, from_record
-from orchestrator.observe.ring import Ring
+from orchestrator.observe.ring import Column, Ring
 
 if TYPE_CHECKING:
     from orchestrator_workers.protocol import NodeInfo
@@ -76,20 +76,20 @@ JOB_COLUMNS = ("minute", "processes", *(f"{f}_{q}" for f in SPREAD_FIGURES for q
 
 @dataclass(frozen=True)
 class ProcessMetrics:
-    """One rank process's numbers over time, as plain data (columns, oldest first)."""
+    """One rank process's numbers over time, as plain data (columns: arrays, oldest first)."""
 
     node_id: str
     node_ip: str
     pid: int
     ranks: tuple[tuple[float, int], ...]
     """Its rank over time: (since when, wall clock; rank)."""
-    detail: dict[str, tuple[float, ...]]
+    detail: dict[str, Column]
     """DETAIL_COLUMNS, a row per reading (NaN: not known)."""
-    steps: dict[str, tuple[float, ...]]
+    steps: dict[str, Column]
     """STEP_COLUMNS, a row per step."""
-    minutes: dict[str, tuple[float, ...]]
+    minutes: dict[str, Column]
     """MINUTE_COLUMNS, a row per minute."""
-    scalars: dict[str, dict[str, dict[str, tuple[float, ...]]]]
+    scalars: dict[str, dict[str, dict[str, Column]]]
     """Per reported name: `detail` (`at` and `value` columns, a row per report) and
     `minutes` (`minute` and `value`, the mean a minute)."""
     latest: Figures | None
@@ -106,7 +106,7 @@ class JobMetrics:
     """A job's numbers over time, per rank process and across them (see `Job.metrics`)."""
 
     processes: tuple[ProcessMetrics, ...]
-    minutes: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    minutes: dict[str, Column] = field(default_factory=dict)
     """JOB_COLUMNS, a row per minute: percentiles across the processes that reported."""
 
     def by_rank(self) -> dict[int, ProcessMetrics]:
@@ -177,8 +177,8 @@ class _Process:
     def metrics(self) -> ProcessMetrics:
         minutes = self.minutes.rows()
         if self.minute is not None:  # the minute under way, so far
-            row = self.minute.row()
-            minutes = {k: (*v, row[i]) for i, (k, v) in enumerate(minutes.items())}
+            for column, value in zip(minutes.values(), self.minute.row(), strict=True):
+                column.append(value)
         return ProcessMetrics(
             self.node_id,
             self.node_ip,
@@ -218,14 +218,12 @@ class _Scalar:
             self.minute, self.sum, self.count = start, 0.0, 0
         self.sum, self.count = self.sum + value, self.count + 1
 
-    def rows(self) -> dict[str, dict[str, tuple[float, ...]]]:
+    def rows(self) -> dict[str, dict[str, Column]]:
         """Its reports (`detail`), and its means by the minute so far (`minutes`)."""
         minutes = self.minutes.rows()
-        if self.count:
-            minutes = {
-                "minute": (*minutes["minute"], self.minute),
-                "value": (*minutes["value"], self.sum / self.count),
-            }
+        if self.count:  # the minute under way, so far
+            minutes["minute"].append(self.minute)
+            minutes["value"].append(self.sum / self.count)
         return {"detail": self.detail.rows(), "minutes": minutes}
 
 
