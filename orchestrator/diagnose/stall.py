@@ -38,8 +38,8 @@ are, and their figures (each rank writes its record once a second, and within 0.
 step)."""
 FIRST_READ_S = 1.0
 """A call shorter than this (or than half its `stall_after`) is never read."""
-LAST_READ_S = 2.0
-"""Once a call that was read returned: how long its ranks' last records may take."""
+LAST_READ_S = 1.0
+"""Once a call whose ranks step or report returned: how long their last records may take."""
 ANSWER_S = 10.0
 """A rank that has not looked at its stack for this long does not answer: a C call
 holding the GIL, a stopped process."""
@@ -276,9 +276,9 @@ class Watch:
         """How many node readings came back: what is judged changes only with them."""
 
     def last_reading(self, wait_s: float = LAST_READ_S) -> None:
-        """Once the call's ranks returned, where it was read at all: read each node once
-        more (their last steps and reports), within `wait_s`."""
-        if not self.readings:
+        """Once the call's ranks returned, where they were seen to step or report: read
+        each node once more (their last steps and reports), within `wait_s`."""
+        if not self.readings or not self.series.stepping:
             return
         self.next_read = 0.0
         self.tick(time.monotonic())

@@ -319,6 +319,12 @@ class Series:
             processes = tuple(p.metrics() for p in self._processes.values())
             return JobMetrics(processes, self._job.rows())
 
+    @property
+    def stepping(self) -> bool:
+        """Whether any rank was seen to complete a step or report a number."""
+        with self._lock:
+            return any(p.last_step or p.scalars for p in self._processes.values())
+
     def recent(self, count: int) -> dict[int, tuple[int, list[float]]]:
         """Each rank's steps completed and its newest `count` steps' lengths (its newest
         process's)."""
