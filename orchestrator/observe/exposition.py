@@ -51,7 +51,7 @@ GAUGES = (
     ),
     Gauge(
         "orchestrator_rank_cpu_cores",
-        "CPU the rank's process uses, in cores (every thread, and its children).",
+        "CPU the rank's process uses, in cores (every thread).",
         _of(lambda f: f.cpu),
     ),
     Gauge(
