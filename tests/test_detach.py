@@ -35,7 +35,7 @@ from orchestrator.options import Options
 from orchestrator.supervise import registry
 from orchestrator.supervise.supervisor import NAMESPACE
 from tests.detached_work import count, pid
-from tests.helpers import ROOT, wait_for, wait_resources_back
+from tests.helpers import ROOT, default_sigint, wait_for, wait_resources_back
 
 LINES = 60
 
@@ -340,7 +340,9 @@ fn({lines}, 0.1)
 
 def test_ctrl_c_stops_following_not_the_job(cluster):
     driver = subprocess.Popen(
-        [sys.executable, "-c", INTERRUPTED.format(address=cluster.address, lines=LINES)],
+        default_sigint(
+            [sys.executable, "-c", INTERRUPTED.format(address=cluster.address, lines=LINES)]
+        ),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
