@@ -65,10 +65,13 @@ def _torchrun(ranks: int, env: dict[str, str]) -> list[dict]:
 
 @pytest.fixture
 def fresh_env():
-    """A private Ray temp dir, so the embedded instance sees no other Ray."""
+    """A private Ray temp dir and state folder, so the embedded instance sees no other Ray
+    (not a local runtime another test process started either: its ranks inherit what that
+    runtime's starter had, not what this test's torchrun does)."""
     tmp = tempfile.mkdtemp(prefix="ri", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS")}
     env["RAY_TMPDIR"] = tmp
+    env["XDG_STATE_HOME"] = str(Path(tmp) / "state")
     env["PYTHONPATH"] = str(ROOT)
     yield env
     shutil.rmtree(tmp, ignore_errors=True)
