@@ -309,10 +309,11 @@ def test_a_rank_replaced_at_a_restart_is_a_warm_spare_too(runtime: Runtime) -> N
 
 @pytest.fixture
 def private_env() -> Iterator[tuple[dict[str, str], Path]]:
-    """An environment whose RAY_TMPDIR no Ray has used."""
+    """An environment whose RAY_TMPDIR no Ray has used, with a state folder of its own (no
+    other test's driver finds the runtime it starts)."""
     tmp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT), XDG_STATE_HOME=str(tmp / "state"))
     yield env, tmp
     shutil.rmtree(tmp, ignore_errors=True)
 
