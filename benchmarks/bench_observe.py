@@ -93,6 +93,7 @@ def _run(tree: Path, seconds: float, setting: str) -> float:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
     env["PYTHONPATH"] = f"{tree}:{ROOT}"
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="bo", dir="/tmp")
+    env["HOME"] = tempfile.mkdtemp(prefix="boh", dir="/tmp")  # no local runtime found: its own Ray
     env["ORCHESTRATOR_DASHBOARD"] = "0"
     proc = subprocess.run(
         [sys.executable, "-c", code],
