@@ -150,9 +150,8 @@ class Call:
         after, on_stall = options.stall_after, options.on_stall
         self.monitor = None
         if after is not None:
-            series = context.series
             self.monitor = Monitor(
-                pool, started, after, on_stall, series=series, key=self.share_key
+                pool, started, after, on_stall, series=context.series, key=self.share_key
             )
         quiet = context.sink is not None  # a notebook cell shows the ranks' table instead
         self.status = None if quiet else StatusLine(pool.name, len(pool.actors), started, self.view)
@@ -245,10 +244,11 @@ class Call:
         """
         output = self.output
         runs, draining = list(self.runs), list(output.draining)
+        readings = list(self.monitor.watch.pending) if self.monitor is not None else []
         per_rank = len(runs) > len(self.pool.routes.nodes)
         if not runs or not (per_rank or output.printing(time.monotonic())):
             timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
-            ready = _ready(runs + draining, timeout, more_of=runs)  # output: the next pass
+            ready = _ready(runs + draining + readings, timeout, more_of=runs)  # a reading wakes
             return [r for r in ready if r in self.runs], [r for r in ready if r in draining]
         poll = POLL_S if per_rank else output.shown_at + POLL_S - time.monotonic()
         timeout = max(0.0, poll if wait_s is None else min(wait_s, poll))

@@ -15,10 +15,8 @@ if TYPE_CHECKING:
     from orchestrator.observe.series import Series
     from orchestrator.pool import Pool
 
-JUDGE_S = 1.0
+JUDGE_S = 0.5
 """While ranks are read, how often who makes no progress is worked out."""
-PENDING_S = 0.1
-"""While readings are on their way, how soon to look again (they are taken in then)."""
 
 
 class Monitor:
@@ -66,9 +64,7 @@ class Monitor:
         `waits_on`: what ranks wait on beyond their work (a debugger holds the others).
         """
         watch = self.watch
-        due = watch.tick(now)
-        if watch.pending:  # readings on their way are taken in at the next look
-            due = min(due, now + PENDING_S)
+        due = watch.tick(now)  # readings on their way wake the call's wait as they come
         if (watch.where or watch.mute) and now >= self._judged + JUDGE_S:
             self._judged = now
             returned = set(results) | {
@@ -96,7 +92,7 @@ class Monitor:
                 self._compared = watch.readings
                 self.slow = watch.shares.stragglers(moving, now)
             self.notice = self._notice()
-        return min(due, self._judged + JUDGE_S) if watch.where else due
+        return due  # judged at the next read, or as a reading comes
 
     def ends_call(self) -> StallReport | None:
         """The stall report that ends the call (on_stall='raise'), if any.
