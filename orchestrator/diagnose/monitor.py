@@ -120,7 +120,9 @@ class Monitor:
         after_s = threshold(self.watch.series.recent(N), moving)
         if after_s is None:
             return None
-        return find(self.name, now, self.watch.where, moving, last_output, after_s=after_s)
+        where = self.watch.where
+        found = report(self.name, now, where, moving, last_output, after_s=after_s)
+        return find(found, where, now, after_s)
 
     def _notice(self) -> Notice | None:
         """What the status line must say now: ranks without progress, or slow ones."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from orchestrator.diagnose.stall import StallReport, report
+from orchestrator.diagnose.stall import StallReport
 from orchestrator.show.text import clock
 from orchestrator_workers.where import Where
 
@@ -71,17 +71,11 @@ def threshold(
 
 
 def find(
-    name: str,
-    now: float,
-    where: dict[int, tuple[Where, float]],
-    running: Collection[int],
-    last_output: Sequence[float],
-    *,
-    after_s: float,
+    found: StallReport | None, where: dict[int, tuple[Where, float]], now: float, after_s: float
 ) -> Stopped | None:
-    """The stopped rank among `running` at `now` (monotonic), by the rule above with T =
-    `after_s`; None where there is none."""
-    found = report(name, now, where, running, last_output, after_s=after_s)
+    """The stopped rank in `found`, the stall report on the running ranks at `now`
+    (monotonic) with `after_s` for `stall_after`: by the rule above, with T = `after_s`
+    (`where`: each rank's last reading, and when it was read); None where there is none."""
     if found is None or found.unread or found.outside or len(found.groups) != 2:
         return None
     alone = [
