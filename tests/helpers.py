@@ -292,15 +292,18 @@ def wait_resources_back(timeout: float = 20.0) -> None:
 
 
 def default_sigint(argv: list[str]) -> list[str]:
-    """`argv`, run with SIGINT's (and SIGHUP's) default disposition, as from a terminal.
+    """`argv`, run with SIGINT's (SIGQUIT's, SIGHUP's) default disposition, as from a terminal.
 
-    Under nohup, or `cmd &` in a script, the suite starts with SIGINT (SIGHUP) ignored, and every
-    child would inherit that: a test that interrupts one, or compares what a process
-    inherits, runs it as a user's terminal would. (A disposition set to the default
-    survives exec; preexec_fn would be unsafe beside Ray's threads.)
+    Under nohup, or `cmd &` in a script, the suite starts with SIGINT and SIGQUIT (SIGHUP)
+    ignored, and every child would inherit that (a rank too, where a torchrun worker gets the
+    default: its agent catches SIGQUIT, and exec resets a caught signal): a test that
+    interrupts one, or compares what a process inherits, runs it as a user's terminal would.
+    (A disposition set to the default survives exec; preexec_fn would be unsafe beside Ray's
+    threads.)
     """
     reset = (
         "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "signal.signal(signal.SIGQUIT, signal.SIG_DFL); "  # so does `cmd &` in a script
         "signal.signal(signal.SIGHUP, signal.SIG_DFL); "  # nohup ignores SIGHUP
     )
     return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *argv]
