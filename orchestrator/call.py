@@ -244,11 +244,11 @@ class Call:
         """
         output = self.output
         runs, draining = list(self.runs), list(output.draining)
-        readings = list(self.monitor.watch.pending) if self.monitor is not None else []
+        readings = list(self.monitor.watch.pending) if self.monitor and runs else []
         per_rank = len(runs) > len(self.pool.routes.nodes)
         if not runs or not (per_rank or output.printing(time.monotonic())):
             timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
-            ready = _ready(runs + draining + readings, timeout, more_of=runs)  # a reading wakes
+            ready = _ready(runs + draining + readings, timeout, more_of=runs + readings)
             return [r for r in ready if r in self.runs], [r for r in ready if r in draining]
         poll = POLL_S if per_rank else output.shown_at + POLL_S - time.monotonic()
         timeout = max(0.0, poll if wait_s is None else min(wait_s, poll))
