@@ -3,8 +3,10 @@ result that cannot be sent back, and the exit status of `orchestrator run`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -145,9 +147,31 @@ def test_crashed_rank_is_reported_as_a_crash(cluster, capfd, how):
         time.sleep(60)
         return 0
 
+    def one_print(_how: str) -> list[bytes]:
+        """The writes a print makes to fd 1 in a rank, one packet each. A rank killed right
+        after a print must leave its line whole: written in two pieces, the reading thread
+        may take the text and die with it before its keeper has a copy."""
+        import socket
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(ours.fileno(), 1)
+        try:
+            print("last words")
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        theirs.setblocking(False)
+        packets = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                packets.append(theirs.recv(1 << 10))
+        return packets
+
     fn = distribute(die_on_rank_1, num_replicas=4, replicas_per_node=2)
-    fn.fn = lambda how: 0  # start the pool first, so the timing below is the crash's alone
-    fn("warm")
+    fn.fn = one_print  # start the pool first, so the timing below is the crash's alone
+    assert fn("warm") == [[b"last words\n"]] * 4  # a line is one write: no text lost
     fn.fn = die_on_rank_1
     started = time.monotonic()
     with pytest.raises(DistributedError) as info:

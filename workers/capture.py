@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from orchestrator_workers.private import UnsafeFolderError
 from orchestrator_workers.protocol import EXIT_STREAM, RAY_MARKERS, STATE_STREAM, OutputChunk
@@ -93,11 +93,7 @@ class Capture:
             os.close(write_end)
             self._pipes[read_end] = stream
         self._tee = self._lifeline = -1
-        for console in (sys.stdout, sys.stderr):
-            reconfigure = getattr(console, "reconfigure", None)  # a TextIOWrapper's, or alike
-            if callable(reconfigure):
-                with contextlib.suppress(ValueError):
-                    reconfigure(line_buffering=True)
+        sys.stdout, sys.stderr = _line_buffered(sys.stdout), _line_buffered(sys.stderr)
         threading.Thread(target=self._pump, name="output-capture", daemon=True).start()
         self._hook_exit()
         self._keep_leftovers()
@@ -273,6 +269,24 @@ class Capture:
                     notice.encode() + self._chunks[0].data,
                 )
             self._cond.notify_all()
+
+
+def _line_buffered(console: Any) -> Any:
+    """`console`, writing each line in one piece as a terminal would (a print's line at
+    once, a partial line at a flush).
+
+    Ray's workers wrap it in a writer that flushes after every write: a print's text and
+    its newline reached the pipe as two writes, the reading thread woke between them, and
+    a rank killed right after a print lost the line's text (read, not yet copied to its
+    keeper), its newline alone shown as its last words.
+    """
+    if type(console).__name__ == "Unbuffered" and hasattr(console, "stream"):
+        console = console.stream  # ray._private.utils.Unbuffered
+    reconfigure = getattr(console, "reconfigure", None)  # a TextIOWrapper's, or alike
+    if callable(reconfigure):
+        with contextlib.suppress(ValueError):
+            reconfigure(line_buffering=True, write_through=False)
+    return console
 
 
 def _only_ray_markers(data: bytes) -> bool:
