@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from orchestrator import crash, shipping
+from orchestrator import crash, shipping, waits
 from orchestrator.channel import POLL_S, CallOutput
 from orchestrator.connect import cluster
 from orchestrator.diagnose.monitor import Monitor
@@ -248,15 +248,15 @@ class Call:
         per_rank = len(runs) > len(self.pool.routes.nodes)
         if not runs or not (per_rank or output.printing(time.monotonic())):
             timeout = _IDLE_S if wait_s is None else max(0.0, min(wait_s, _IDLE_S))
-            ready = _ready(runs + draining + readings, timeout, more_of=runs + readings)
+            ready = waits.ready(runs + draining + readings, timeout, more_of=runs + readings)
             return [r for r in ready if r in self.runs], [r for r in ready if r in draining]
         poll = POLL_S if per_rank else output.shown_at + POLL_S - time.monotonic()
         timeout = max(0.0, poll if wait_s is None else min(wait_s, poll))
         if per_rank:
-            finished, _ = ray.wait(runs, num_returns=len(runs), timeout=timeout)
+            finished, _ = ray.wait(runs, num_returns=len(runs), timeout=waits.whole_ms(timeout))
         else:
-            finished = _ready(runs, timeout)
-        return finished, _ready(draining, 0) if draining else []
+            finished = waits.ready(runs, timeout)
+        return finished, waits.ready(draining, 0) if draining else []
 
     def rank_state(self, rank: int, *, stopped: bool) -> State:
         """finished, failed, running (or what it waits on); `stopped` when the call ended."""
@@ -284,7 +284,7 @@ class Call:
         """Take the outcomes of ranks still running that come within `wait_s`."""
         until = time.monotonic() + wait_s
         while self.runs and (left := until - time.monotonic()) > 0:
-            done = _ready(list(self.runs), left)
+            done = waits.ready(list(self.runs), left)
             if not done:
                 break
             self._take_all(done)
@@ -384,17 +384,3 @@ class Call:
         if stall is None:
             raise JobTimeoutError(after_s, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
         raise StallError(after_s, stall, stacks, where, log_dir=log_dir, earlier_attempts=earlier)
-
-
-def _ready(
-    refs: list[ray.ObjectRef], wait_s: float | None, more_of: list[ray.ObjectRef] | None = None
-) -> list[ray.ObjectRef]:
-    """Wait up to `wait_s` for one of `refs`, then take the others of `more_of` (default:
-    all) ready too; no request made for nothing (through Ray Client, each is a trip)."""
-    if wait_s is not None and wait_s <= 0:
-        return ray.wait(refs, num_returns=len(refs), timeout=0)[0]
-    done, rest = ray.wait(refs, num_returns=1, timeout=wait_s)
-    rest = rest if more_of is None else [r for r in rest if r in more_of]
-    if done and rest:
-        done += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-    return done

@@ -24,6 +24,7 @@ from ray.exceptions import RayError
 
 from orchestrator.diagnose.straggle import Shares
 from orchestrator.show.text import clock, rank_label
+from orchestrator.waits import whole_ms
 from orchestrator_workers.places import UNSEEN, Frame, Place, place_of
 from orchestrator_workers.protocol import unwire
 from orchestrator_workers.where import Where
@@ -284,7 +285,7 @@ class Watch:
         self.tick(time.monotonic())
         until = time.monotonic() + wait_s
         while self.pending and (left := until - time.monotonic()) > 0:
-            ray.wait(list(self.pending), num_returns=len(self.pending), timeout=left)
+            ray.wait(list(self.pending), num_returns=len(self.pending), timeout=whole_ms(left))
             self.tick(time.monotonic())
 
     def tick(self, now: float) -> float:
