@@ -139,6 +139,9 @@ def raise_on_rank_1() -> int:
 def die_on_rank_1() -> int:
     if os.environ["RANK"] == "1":
         print("last words of rank 1", flush=True)
+        # A moment for the capture thread to copy the line to its keeper: a write at the
+        # very instant of a SIGKILL may die with the thread reading it (docs/usage.md).
+        time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)
     return 0
