@@ -1,6 +1,7 @@
 """A driver's page in a real browser (Debian's chromium, driven by Selenium): a running
-2-rank job's table moves, a rank's output and the stacks open on a click, what the ranks
-print is shown as text, and /metrics answers the page's token as a bearer token.
+4-rank job's table moves, a rank's output and the stacks open on a click, what the ranks
+print is shown as text, /metrics answers the page's token as a bearer token, and a rank
+that stops is marked.
 
 `ORCHESTRATOR_SCREENSHOT=docs/dashboard.png` saves the page there (the README's picture).
 """
@@ -27,14 +28,16 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 HOSTILE = "<img src=x onerror=alert(1)>"
 
 
-def work(steps: int, pause: float) -> int:
-    """A DDP loop on gloo that prints a line no page may take as HTML."""
+def work(steps: int, pause: float, stop: str) -> int:
+    """A DDP loop on gloo that prints a line no page may take as HTML; once `stop` exists,
+    rank 3 stops (sleeps: no progress, CPU or I/O) while its peers wait in all_reduce."""
     import torch
     import torch.distributed as dist
 
     import orchestrator
 
     dist.init_process_group("gloo")
+    rank = dist.get_rank()
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(steps):
@@ -42,9 +45,11 @@ def work(steps: int, pause: float) -> int:
         loss = model(torch.randn(8, 4)).sum()
         loss.backward()
         optimizer.step()
-        orchestrator.report(loss=loss.item(), samples=8 * (1 + dist.get_rank()))
+        orchestrator.report(loss=loss.item(), samples=8 * (1 + rank))
         print(f"step {step} loss {loss.item():.3f} {HOSTILE}", flush=True)
-        time.sleep(pause * (1 + dist.get_rank()))
+        time.sleep(pause * (1 + rank % 2))
+        if rank == 3 and os.path.exists(stop):
+            time.sleep(120)
     dist.destroy_process_group()
     return steps
 
@@ -97,16 +102,23 @@ def _text(chrome: Any, css: str) -> str:
     return str(found or "")
 
 
+def _class(chrome: Any, css: str) -> str:
+    """The class of the element `css` selects now ('' for none)."""
+    found = chrome.execute_script(f"return document.querySelector('{css}')?.className", [])
+    return str(found or "")
+
+
 def _step(chrome: Any, rank: int) -> int:
     text = _text(chrome, f'#ranks tr[data-rank="{rank}"] td.step')
     return int(text) if text.isdigit() else -1
 
 
-def test_a_running_job_s_page_in_a_browser(cluster, browser):
+def test_a_running_job_s_page_in_a_browser(cluster, browser, tmp_path):
     from selenium.webdriver.common.by import By
 
-    with distribute(work, num_replicas=2, stall_after=30, name="page") as fn:
-        job = fn.submit(400, 0.1)
+    stop = tmp_path / "stop"
+    with distribute(work, num_replicas=4, stall_after=60, name="page") as fn:
+        job = fn.submit(1000, 0.1, str(stop))
         address = dashboard.link(job)
         assert address is not None and "?token=" in address
         browser.get(address)
@@ -139,9 +151,20 @@ def test_a_running_job_s_page_in_a_browser(cluster, browser):
             families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
         steps = families["orchestrator_rank_step"].samples
         ours = sorted(s.labels["rank"] for s in steps if s.labels["pid"] in map(str, fn.pids()))
-        assert ours == ["0", "1"]
+        assert ours == ["0", "1", "2", "3"]
 
+        # Rank 3 stops: marked on its row (and on the timeline) within its 10 s and a reading.
         if os.environ.get("ORCHESTRATOR_SCREENSHOT"):
-            time.sleep(15)  # the plots fill a little
+            time.sleep(10)  # the plots fill a little
+        stop.touch()
+        row = '#ranks tr[data-rank="3"]'
+        wait_for(lambda: "stopped" in _class(browser, row), 60, "rank 3 marked stopped")
+        assert "stopped" in _text(browser, f"{row} td:nth-child(2)")
+        findings = browser.find_element(By.ID, "findings")
+        wait_for(lambda: "rank 3 stopped: no progress" in findings.text, 10, "the finding")
+        assert not any(
+            "stopped" in _class(browser, f'#ranks tr[data-rank="{r}"]') for r in (0, 1, 2)
+        )
+        if os.environ.get("ORCHESTRATOR_SCREENSHOT"):
             browser.save_screenshot(os.environ["ORCHESTRATOR_SCREENSHOT"])
         job.cancel()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from orchestrator import StallError, distribute
-from orchestrator.diagnose import stall
+from orchestrator.diagnose import stall, stopped
 from orchestrator.show.summary import group_stacks, stacks_title
 from orchestrator_workers.places import Frame
 from orchestrator_workers.where import Where
@@ -406,3 +406,32 @@ def test_an_nccl_hang_names_the_last_collective_and_the_gpu_use(cluster):
     finally:
         fn.shutdown()
     wait_resources_back()
+
+
+def test_a_rank_stopped_while_its_ddp_peers_wait_in_backward_is_named():
+    """DDP's peers wait for the all-reduce inside autograd's backward: not in a collective's
+    call, but their last collective (torch's flight recorder) is not done."""
+    backward = (
+        _user(46, "loss.backward()"),
+        Frame(
+            "/usr/lib/python3/site-packages/torch/_tensor.py",
+            626,
+            "backward",
+            "torch.autograd.backward(",
+            library=True,
+        ),
+    )
+    asleep = (_user(52, "time.sleep(120)"),)
+
+    def read(last: str) -> dict[int, tuple[Where, float]]:
+        where = {r: (Where(r, backward, True, 30.0, 0.5, collective=last), 100.0) for r in range(3)}
+        where[3] = (Where(3, asleep, True, 30.0, 0.5, quiet_s=30.0), 100.0)
+        return where
+
+    waiting = read("gloo:allreduce #120, not done")
+    found = stopped.find(_report(waiting, after_s=12.0), waiting, 100.0, 12.0)
+    assert found is not None and found.rank == 3
+    assert found.line().startswith("[train] rank 3 stopped: no progress, CPU or I/O for 0:30")
+    assert "3 ranks (r0-2) are in torch._tensor.backward" in found.line()
+    computing = read("gloo:allreduce #120, done")  # their backward computes: no one waits
+    assert stopped.find(_report(computing, after_s=12.0), computing, 100.0, 12.0) is None

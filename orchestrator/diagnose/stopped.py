@@ -1,7 +1,9 @@
 """A rank that stopped, named in seconds rather than at `stall_after`.
 
 The rule: once every running rank has completed N steps, rank R is *stopped* when all the
-other running ranks wait at one place in a collective and R, elsewhere, has for at least
+other running ranks wait at one place on a collective (in its call, or with torch's flight
+recorder saying their last collective is not done: DDP's all-reduce is waited on inside
+autograd's backward, NCCL's at the next sync) and R, elsewhere, has for at least
 T = max(FLOOR_S, K x the slowest of the last N steps of any rank):
 
 - made no progress: its stack the same (the flight recorder's last collective too, read
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from orchestrator.diagnose.stall import StallReport
+from orchestrator.diagnose.stall import PlaceGroup, StallReport
 from orchestrator.show.text import clock
 from orchestrator_workers.where import Where
 
@@ -83,7 +85,7 @@ def find(
         for g in found.groups
         if len(g.ranks) == 1 and not g.moving and g.answers and not g.place.collective
     ]
-    peers = [g for g in found.groups if g.place.collective and g.answers]
+    peers = [g for g in found.groups if g.answers and waits_on_collective(g)]
     if len(alone) != 1 or len(peers) != 1:
         return None  # not one rank elsewhere while the others wait in one collective
     rank = alone[0].ranks[0]
@@ -91,3 +93,9 @@ def find(
     if entry.quiet_s + (now - read_at) < after_s:
         return None  # it computes or moves data: a pause, not a stop
     return Stopped(rank, after_s, found)
+
+
+def waits_on_collective(group: PlaceGroup) -> bool:
+    """Whether `group`'s ranks wait on a collective: at its call, or where their last
+    collective in torch's flight recorder is not done."""
+    return group.place.collective or group.collective.endswith(", not done")

@@ -96,6 +96,7 @@ class Reader:
             "state": "cancelled" if job.cancelled() else str(status.state),
             "cause": table.cause,
             "stall": table.stall,
+            "stopped": view.stopped.line() if view is not None and view.stopped else None,
             "slow": table.slow,
             "waiting_for": status.waiting_for,
             "restarts": status.restarts,

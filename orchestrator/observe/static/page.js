@@ -109,7 +109,7 @@ function drawTable(table) {
   $("cause").textContent = table.cause ? `root cause: ${table.cause}` : "";
   const findings = $("findings");
   findings.replaceChildren();
-  for (const [text, bad] of [[table.waiting_for, false], [table.stall, true], [table.slow, false]]) {
+  for (const [text, bad] of [[table.waiting_for, false], [table.stopped, true], [table.stall, true], [table.slow, false]]) {
     if (text) findings.appendChild(el("div", text, bad ? "finding bad" : "finding"));
   }
   for (const attempt of table.failed_attempts) findings.appendChild(el("div", `failed attempt: ${attempt}`, "finding bad"));
