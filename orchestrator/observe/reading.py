@@ -2,8 +2,9 @@
 over time, its newest output, each rank's whole log and its stacks grouped.
 
 A job is read through its public methods (`table`, `status`, `metrics`, `stacks`, `logs`).
-A job of this process is also read where its running attempt keeps it (`_live`): the call's
-view (host, pid, figures, the ranks of a stall) and its console's newest shown lines. A
+A job of this process is also read through its runner's hold on it (`job.JobControl`): its
+running attempt's view (host, pid, figures, the ranks of a stall) and its console's newest
+shown lines; a followed job, through the console it shows its output with. A
 detached job's numbers come from its supervisor, asked at most once a second however many
 pages read them.
 """
@@ -17,11 +18,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.job import Job, JobControl
 from orchestrator.observe.figures import Figures
 from orchestrator.observe.series import JobMetrics
 
 if TYPE_CHECKING:
-    from orchestrator.job import Job
+    from orchestrator.call import Call
     from orchestrator.show.logs import Console
     from orchestrator.view import CallView
 
@@ -176,7 +178,7 @@ class Reader:
         runs it, else from the job's numbers over time (its supervisor's)."""
         if view is not None:
             return {seen.rank: seen.figures for seen in view.ranks if seen.figures is not None}
-        if getattr(self.job, "_call", None) is not None:
+        if _call(self.job) is not None:
             return {}  # this process's job, no longer running: nothing current
         return {
             rank: process.latest
@@ -196,7 +198,7 @@ class Reader:
 def _live_view(job: Job[Any]) -> CallView | None:
     """The running attempt of a job of this process, as its call sees it now (None: a
     detached job, or not running)."""
-    call = getattr(job, "_call", None)  # where the runner keeps it (see job.JobControl)
+    call = _call(job)
     if call is None or not job.running():
         return None
     view: CallView = call.view()
@@ -206,9 +208,17 @@ def _live_view(job: Job[Any]) -> CallView | None:
 def _console(job: Job[Any]) -> Console | None:
     """The console that shows a job's output in this process: its running (or last)
     attempt's, or a followed job's."""
-    call = getattr(job, "_call", None)
-    console: Console | None = call.console if call is not None else getattr(job, "_console", None)
+    call = _call(job)
+    if call is not None:
+        return call.console
+    console: Console | None = getattr(job, "console", None)  # a followed job's
     return console
+
+
+def _call(job: Job[Any]) -> Call | None:
+    """A job of this process: its running (or last) attempt's call, once its ranks
+    started; None for a followed job."""
+    return JobControl(job).call if isinstance(job, Job) else None
 
 
 def _stalled(view: CallView | None) -> set[int]:

@@ -103,6 +103,11 @@ class FollowedJob(Job[R]):
 
     # What a Job answers, asked of the supervisor.
 
+    @property
+    def console(self) -> Console:
+        """The console this job's output is shown through (a page reads its newest lines)."""
+        return self._console
+
     def status(self) -> JobStatus:
         """The job's state and each rank's, as its supervisor sees them now."""
         snapshot = self._look()
