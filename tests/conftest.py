@@ -19,6 +19,7 @@ import ray
 import torch  # noqa: F401 - whole before any guard: its first import may run a subprocess
 from ray.cluster_utils import Cluster
 
+from orchestrator._ray_compat import same_niceness_env
 from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, NODES, starting_nothing
 
 RAY_FIXTURES = frozenset(
@@ -43,10 +44,19 @@ def cluster() -> Iterator[Cluster]:
     tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
     os.environ["RAY_TMPDIR"] = tmp
     node_args = {"num_cpus": CPUS_PER_NODE, "num_gpus": GPUS_PER_NODE}
-    c = Cluster(initialize_head=True, head_node_args=node_args)
-    for _ in range(NODES - 1):
-        c.add_node(**node_args)
-    c.wait_for_nodes()
+    # The ranks at the driver's niceness, as the embedded local default runs them: at
+    # Ray's worker_niceness=15 they yield to any busy process (beside two, the suite ran
+    # 62 tests in 32 min). Only the raylets started here read it.
+    niceness = same_niceness_env()
+    os.environ.update(niceness)
+    try:
+        c = Cluster(initialize_head=True, head_node_args=node_args)
+        for _ in range(NODES - 1):
+            c.add_node(**node_args)
+        c.wait_for_nodes()
+    finally:
+        for name in niceness:
+            os.environ.pop(name, None)
     ray.init(address=c.address, log_to_driver=False)
     yield c
     from orchestrator.job import stop_all
