@@ -24,14 +24,13 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_series import node_infos, reading
 from orchestrator.job import JobStatus, RankStatus
 from orchestrator.observe.page import Page
 from orchestrator.observe.reading import Reader
 from orchestrator.observe.series import JobMetrics, Series
 from orchestrator.show.notebook import Table, rank_table
-from orchestrator_workers.protocol import NodeInfo
 from orchestrator_workers.states import State
-from orchestrator_workers.where import Where
 
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 
@@ -104,36 +103,16 @@ class OneJob:
 
 
 def fed(ranks: int, hours: float) -> Series:
-    """A series fed `hours` of readings of `ranks` ranks, ending now."""
+    """A series fed `hours` of readings of `ranks` ranks, ending now (as bench_series)."""
     start = time.time() - hours * 3600
-    infos = [
-        NodeInfo(f"n{r // 8}", f"10.0.{r // 8}.1", "h", 1000 + r, (), None) for r in range(ranks)
-    ]
+    infos = node_infos(ranks)
     kept = Series()
     clock = start
     with mock.patch("orchestrator.observe.series.time.time", lambda: clock):
         for second in range(int(hours * 3600)):
             clock = start + second
             for rank in range(ranks):
-                record = Where(
-                    rank=-1,
-                    frames=(),
-                    running=True,
-                    still_s=0.0,
-                    age_s=0.0,
-                    call="c",
-                    steps=second + 1,
-                    recent_steps=((second + 1, clock, 1.0 + rank / 1000),),
-                    process_cpu=1.0,
-                    rss_mb=2000.0 + second / 3600,
-                    gpu_mb=30_000.0,
-                    gpu_busy=90,
-                    scalars={"loss": 1.0 / (second + 1), "lr": 0.001},
-                    reported_at=clock,
-                    samples_total=32.0 * (second + 1),
-                    sampled=clock,
-                )
-                kept.add(rank, infos[rank], record, "c")
+                kept.add(rank, infos[rank], reading(rank, second, clock), "c")
     return kept
 
 

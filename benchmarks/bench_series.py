@@ -31,7 +31,7 @@ from orchestrator_workers.where import Where
 def feed(ranks: int, hours: float) -> tuple[int, int, int, float]:
     """Readings fed, bytes held, the bound, median microseconds per reading."""
     start = time.time() - hours * 3600
-    infos = [NodeInfo(f"node{r // 8}", "10.0.0.1", "h", 1000 + r, (), None) for r in range(ranks)]
+    infos = node_infos(ranks)
     gc.collect()
     before = _rss()
     kept = Series()
@@ -42,23 +42,7 @@ def feed(ranks: int, hours: float) -> tuple[int, int, int, float]:
         for second in range(int(hours * 3600)):
             clock = start + second
             for rank in range(ranks):
-                record = Where(
-                    rank=-1,
-                    frames=(),
-                    running=True,
-                    still_s=0.0,
-                    age_s=0.0,
-                    call="c",
-                    steps=second + 1,
-                    recent_steps=((second + 1, clock, 1.0 + rank / 1000),),
-                    process_cpu=1.0,
-                    rss_mb=2000.0 + second / 3600,
-                    gpu_mb=30_000.0,
-                    gpu_busy=90,
-                    scalars={"loss": 1.0 / (second + 1), "lr": 0.001},
-                    reported_at=clock,
-                    samples_total=32.0 * (second + 1),
-                )
+                record = reading(rank, second, clock)
                 began = time.perf_counter()
                 kept.add(rank, infos[rank], record, "c")
                 if second % 600 == 0:
@@ -68,6 +52,36 @@ def feed(ranks: int, hours: float) -> tuple[int, int, int, float]:
     held = _rss() - before
     del kept
     return readings, held, Series().bound_bytes(ranks), statistics.median(costs) * 1e6
+
+
+def node_infos(ranks: int) -> list[NodeInfo]:
+    """Where each of `ranks` ranks runs: nodes of 8."""
+    return [
+        NodeInfo(f"n{r // 8}", f"10.0.{r // 8}.1", "h", 1000 + r, (), None) for r in range(ranks)
+    ]
+
+
+def reading(rank: int, second: int, clock: float) -> Where:
+    """Rank `rank`'s record at `second` of the run (wall clock `clock`): a step a second
+    since the start, two reported scalars, 32 samples a step."""
+    return Where(
+        rank=-1,
+        frames=(),
+        running=True,
+        still_s=0.0,
+        age_s=0.0,
+        call="c",
+        steps=second + 1,
+        recent_steps=((second + 1, clock, 1.0 + rank / 1000),),
+        process_cpu=1.0,
+        rss_mb=2000.0 + second / 3600,
+        gpu_mb=30_000.0,
+        gpu_busy=90,
+        scalars={"loss": 1.0 / (second + 1), "lr": 0.001},
+        reported_at=clock,
+        samples_total=32.0 * (second + 1),
+        sampled=clock,
+    )
 
 
 ROW = "{:>6} {:>6} {:>11} {:>9} {:>9} {:>11}"
