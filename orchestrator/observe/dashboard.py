@@ -16,6 +16,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.job import JobControl
 from orchestrator.show import messages
 
 if TYPE_CHECKING:
@@ -47,9 +48,9 @@ def submitted(job: Job[Any]) -> None:
         _keys[job] = key
         if len(_jobs) > LISTED:
             del _jobs[next(iter(_jobs))]
-    cell = job._cell  # a notebook job's cell: its page's link below its title
-    if cell is not None:
-        cell.write("stderr", f"[{job.name}] dashboard: {page.url}#job={key}\n")
+    sink = JobControl(job).sink  # a notebook job's cell: its page's link below its title
+    if sink is not None:
+        sink("stderr", f"[{job.name}] dashboard: {page.url}#job={key}\n")
 
 
 def url() -> str | None:
