@@ -285,7 +285,7 @@ def overhead(fn: Any, runs: int, steps: float) -> dict[str, Any]:
     }
 
 
-def _cluster(size: int, tmp: str) -> Any:
+def simulated_cluster(size: int, tmp: str) -> Any:
     """A simulated cluster of `size / PER_NODE` nodes on this machine, this process its driver."""
     import ray
     from ray.cluster_utils import Cluster
@@ -313,7 +313,7 @@ def watching(size: int, runs: int, seconds: float, tmp: str) -> dict[str, Any]:
 
     from orchestrator import distribute, testing
 
-    cluster = _cluster(size, tmp)
+    cluster = simulated_cluster(size, tmp)
     on = distribute(
         idle,
         num_replicas=size,
@@ -364,7 +364,7 @@ def measure(
 
     from orchestrator import distribute
 
-    cluster = _cluster(size, tmp)
+    cluster = simulated_cluster(size, tmp)
     marks = Path(tempfile.mkdtemp(prefix="marks", dir=tmp))
     fn = distribute(
         job,

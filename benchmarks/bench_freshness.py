@@ -34,7 +34,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PER_NODE = 8
 POLL_S = 0.05
 
 
@@ -94,19 +93,12 @@ def watch_metrics(base: str, token: str, stop: threading.Event, seen: list[float
 def measure(ranks: int, seconds: float, every: float) -> dict[str, list[float]]:
     """Freshness on the page and in /metrics for a job of `ranks` ranks."""
     import ray
-    from ray.cluster_utils import Cluster
 
+    from benchmarks.bench_diagnose import PER_NODE, simulated_cluster
     from orchestrator import distribute
     from orchestrator.observe import dashboard
 
-    tmp = tempfile.mkdtemp(prefix="rf", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = tmp
-    args = {"num_cpus": PER_NODE, "object_store_memory": 96 * 2**20}
-    cluster = Cluster(initialize_head=True, head_node_args=args)
-    for _ in range(ranks // PER_NODE - 1):
-        cluster.add_node(**args)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster = simulated_cluster(ranks, tempfile.mkdtemp(prefix="rf", dir="/tmp"))
     found: dict[str, list[float]] = {"page": [], "/metrics": []}
     try:
         fn = distribute(
