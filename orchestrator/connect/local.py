@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +24,7 @@ import ray
 from ray.exceptions import RayError
 
 from orchestrator import _ray_compat
-from orchestrator.connect import cluster, discovery, probe, ray_files, tokens
+from orchestrator.connect import cluster, discovery, head, probe, ray_files, tokens
 from orchestrator.errors import (
     ClusterUnreachableError,
     ConfigError,
@@ -45,7 +43,6 @@ from orchestrator_workers.spares import (
     code_id,
 )
 
-_START_TIMEOUT_S = 120.0
 _said = threading.Event()
 
 
@@ -159,7 +156,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
     temp_dir = _runtime_temp_dir(port)
     work = _work_folder()
     command = [
-        *_ray_command(),
+        *head.ray_command(),
         "start",
         "--head",
         "--block",
@@ -169,26 +166,17 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         "--include-dashboard=false",
         "--disable-usage-stats",
     ]
-    with os.fdopen(private.create(log), "w") as out:
-        process = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=work,  # its workers' (the spares'), never the folder this ran in: /tmp, say
-            # On SIGTERM Ray would wait up to 30 s for busy nodes to drain; spares never are.
-            env={
-                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-                **_ray_compat.same_niceness_env(),
-                **os.environ,
-                "RAY_AUTH_MODE": auth,
-            },
-            start_new_session=True,  # a Ctrl-C in this terminal later must not stop it
-        )
+    env = {
+        # On SIGTERM Ray would wait up to 30 s for busy nodes to drain; spares never are.
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        **_ray_compat.same_niceness_env(),
+        **os.environ,
+        "RAY_AUTH_MODE": auth,
+    }
     address_file = Path(temp_dir) / discovery.ADDRESS_FILE
     record: Path | None = None
+    process, address = head.start(command, env, work, log, address_file)
     try:
-        address = _wait_for_head(process, log, address_file)
         record = discovery.record_path(port)
         fields = {"address": address, "pid": process.pid, "auth": auth, "temp_dir": temp_dir}
         private.write(record, json.dumps(fields))
@@ -199,7 +187,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         broker: Any = RemoteBroker.options(  # an actor handle: Ray types its methods loosely
             name=BROKER_NAME, namespace=NAMESPACE, lifetime="detached"
         ).remote(spares, idle_timeout, process.pid, names)
-        deadline = time.monotonic() + _START_TIMEOUT_S
+        deadline = time.monotonic() + head.START_TIMEOUT_S
         while True:
             info: RuntimeInfo = ray.get(broker.info.remote(), timeout=30)
             if len(info.ready) >= spares or time.monotonic() > deadline:
@@ -208,15 +196,9 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
     except BaseException:
         if record is not None:
             record.unlink(missing_ok=True)
-        process.terminate()
-        process.wait(30)
+        head.end(process)
         address_file.unlink(missing_ok=True)
         raise
-
-
-STOP_WAIT_S = 60.0
-"""How long `ray start --block` has to stop what it started, once told (SIGTERM); then its
-whole process group is killed."""
 
 
 def stop() -> int:
@@ -239,12 +221,13 @@ def stop() -> int:
     ray.shutdown()
     if discovery.alive(pid):
         os.kill(pid, signal.SIGTERM)  # `ray start --block` stops what it started
-    deadline = time.monotonic() + STOP_WAIT_S
+    deadline = time.monotonic() + head.STOP_WAIT_S
     while discovery.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     if discovery.alive(pid) and os.getpgid(pid) == pid:  # its own session: `start` made it
         os.killpg(pid, signal.SIGKILL)  # its GCS, raylet and workers with it
-        messages.say(f"the local runtime (pid {pid}) did not stop in {STOP_WAIT_S:g} s: killed")
+        waited = head.STOP_WAIT_S
+        messages.say(f"the local runtime (pid {pid}) did not stop in {waited:g} s: killed")
     # Ray leaves its address file behind: named by nobody, the port could be squatted.
     discovery.forget(record)
     return pid
@@ -297,30 +280,6 @@ def _runtime(address: str) -> RuntimeInfo | None:
     cluster.connect(address)
     runtime = broker()
     return None if runtime is None else ray.get(runtime.info.remote(), timeout=30)
-
-
-def _wait_for_head(process: subprocess.Popen, log: Path, address_file: Path) -> str:
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log.read_text()[-2000:]
-            raise LocalRuntimeError(f"`ray start` exited with {process.returncode}:\n{tail}")
-        with contextlib.suppress(OSError):
-            address = private.read_trusted(address_file).strip()
-            if address and "--block" in log.read_text():  # its --block notice: it is up
-                return address
-        time.sleep(0.2)
-    raise LocalRuntimeError(f"Ray did not start within {_START_TIMEOUT_S:g} s; see {log}")
-
-
-def _ray_command() -> list[str]:
-    beside = Path(sys.executable).with_name("ray")
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("ray")
-    if found:
-        return [found]
-    return [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
 
 
 def _log_path(port: int) -> Path:
