@@ -104,12 +104,43 @@ def _refuse(message: str, instead_of: Callable[..., object]) -> Callable[..., No
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Wait until `condition()` holds, or fail the test saying what did not happen."""
-    deadline = time.monotonic() + timeout
+    """Wait until `condition()` holds, or fail the test saying what did not happen.
+
+    `timeout` is in the machine's seconds (`MachineClock`): longer on a loaded machine.
+    """
+    clock = MachineClock()
     while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not {what} within {timeout} s")
+        if clock.seconds() > timeout:
+            pytest.fail(f"not {what} within {timeout} s of machine time ({clock})")
         time.sleep(0.05)
+
+
+class MachineClock:
+    """Seconds as much of this machine as a quiet one gives: a wall second counts for less
+    while more processes want its cores (the 1-minute load average over the cores), down
+    to 1/`slowest` of a second. A wait for what takes N seconds of work (a detection, a
+    step) then fails on a slow machine no sooner than on a quiet one, but still ends.
+    """
+
+    def __init__(self, slowest: float = 5.0) -> None:
+        self.slowest = slowest
+        self._last = self._start = time.monotonic()
+        self._seconds = 0.0
+
+    def seconds(self) -> float:
+        """Machine seconds since this clock started."""
+        now = time.monotonic()
+        self._seconds += (now - self._last) / self.pace()
+        self._last = now
+        return self._seconds
+
+    def pace(self) -> float:
+        """How many times slower than a quiet machine this one runs now (1 to `slowest`)."""
+        busy = os.getloadavg()[0] / (os.cpu_count() or 1)
+        return min(max(busy, 1.0), self.slowest)
+
+    def __str__(self) -> str:
+        return f"{time.monotonic() - self._start:.0f} s of wall time, load x{self.pace():.1f}"
 
 
 @contextlib.contextmanager

@@ -56,7 +56,9 @@ def test_a_head_ray_gave_up_on_is_started_again(tmp_path: Path, processes: None)
     assert process.poll() is not None
 
 
-def test_a_head_ray_gives_up_on_every_time_is_reported_once(tmp_path: Path, processes: None) -> None:
+def test_a_head_ray_gives_up_on_every_time_is_reported_once(
+    tmp_path: Path, processes: None
+) -> None:
     with pytest.raises(LocalRuntimeError, match="Ray gave up 3 times on this machine's load"):
         _start(tmp_path, failures=5)
     assert (tmp_path / "tries").read_text() == "xxx"

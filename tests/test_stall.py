@@ -23,7 +23,7 @@ from orchestrator.diagnose import stall, stopped
 from orchestrator.show.summary import group_stacks, stacks_title
 from orchestrator_workers.places import Frame
 from orchestrator_workers.where import Where
-from tests.helpers import wait_resources_back
+from tests.helpers import MachineClock, wait_resources_back
 
 _LIB = "/usr/lib/python3/site-packages/torch/distributed"
 
@@ -222,16 +222,16 @@ def _case(case: str, held: float, stop: str = "") -> int:
 
 
 def _until_reported(job, *words: str, limit_s: float = 40.0) -> str:
-    """The job's stall report once it holds every one of `words`; fail after `limit_s`."""
-    deadline = time.monotonic() + limit_s
-    seen = None
-    while time.monotonic() < deadline:
+    """The job's stall report once it holds every one of `words`; fail after `limit_s` of
+    machine time (longer on a loaded machine)."""
+    clock, seen = MachineClock(), None
+    while clock.seconds() < limit_s:
         seen = job.status().stall
         if seen and all(w in seen for w in words):
             return seen
         assert not job.done(), job.exception()
         time.sleep(0.3)
-    pytest.fail(f"no report with {words} within {limit_s} s; last: {seen}")
+    pytest.fail(f"no report with {words} within {limit_s} s ({clock}); last: {seen}")
 
 
 @pytest.fixture(scope="module")
