@@ -33,6 +33,8 @@ HANDSHAKE_S = 10.0
 accept). 1 s broke snapshots off on a 2-core node busy copying 1 GB per rank."""
 IO_S = 120.0
 """The longest pause between two reads or writes of a copy's bytes."""
+_CONNECT_TRIES = 3
+"""Connections tried where the keeper hangs up before the proof."""
 _MAGIC = b"orchestrator-snapshot-1\n"
 _NONCE = 16
 _PUT, _GET = b"P", b"G"
@@ -200,23 +202,35 @@ def get(address: tuple[str, int], key: bytes, ward: int, step: int) -> Copy:
 
 
 def _connect(address: tuple[str, int], key: bytes) -> socket.socket:
-    try:
-        conn = socket.create_connection(address, timeout=10)
-    except OSError as exc:
-        raise ChannelError(f"could not reach the rank at {_where(address)}: {exc}") from None
-    try:
-        _no_delay(conn)
-        conn.settimeout(HANDSHAKE_S * 3)
-        if not _prove(conn, key):
+    """A connection to the keeper at `address`, both sides proven; tried again where the
+    keeper hung up before the proof (a flood of other connections crowded this one out
+    before its first bytes were read: see greeters)."""
+    for attempt in range(1, _CONNECT_TRIES + 1):
+        try:
+            conn = socket.create_connection(address, timeout=10)
+        except OSError as exc:
+            raise ChannelError(f"could not reach the rank at {_where(address)}: {exc}") from None
+        try:
+            _no_delay(conn)
+            conn.settimeout(HANDSHAKE_S * 3)
+            proven = _prove(conn, key)
+        except ConnectionError:
+            conn.close()
+            if attempt == _CONNECT_TRIES:
+                raise
+            continue
+        except BaseException:
+            conn.close()
+            raise
+        if not proven:
+            conn.close()
             raise ChannelError(
                 f"the listener at {_where(address)} did not prove it holds this job's "
                 "secret: it is not a rank of this job"
             )
         conn.settimeout(IO_S)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+        return conn
+    raise AssertionError("unreachable")
 
 
 def _prove(conn: socket.socket, key: bytes) -> bool:

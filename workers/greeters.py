@@ -188,13 +188,22 @@ class Greeters:
         return True
 
     def _make_room(self, newcomer: _Greeter) -> None:
-        """Past a cap, hang up on the greeter that got least far, the oldest first."""
+        """Past a cap, hang up on the greeter that got least far, the oldest first: as far
+        as each got by now (a burst of accepts is read only after it, and a rightful peer's
+        first bytes may have come meanwhile)."""
         others = [g for g in self._greeting.values() if g is not newcomer]
         same = [g for g in others if g.source == newcomer.source]
         if len(same) >= self.per_source:
-            self._drop(min(same, key=_progress))
+            crowd, cap = same, self.per_source
         elif len(others) >= self.limit:
-            self._drop(min(others, key=_progress))
+            crowd, cap = others, self.limit
+        else:
+            return
+        for greeter in crowd:
+            self._read(greeter)
+        left = [g for g in crowd if g.conn in self._greeting]
+        if len(left) >= cap:
+            self._drop(min(left, key=_progress))
 
     def _read(self, greeter: _Greeter) -> None:
         """Take what `greeter` sent; once its greeting's step has all it wanted, go on."""
