@@ -160,6 +160,28 @@ PROGRESS = Progress()
 """This process's (one rank per process)."""
 
 
+class SamplesRate:
+    """Samples a second from a rank's reports as they are read: between the last two read."""
+
+    def __init__(self) -> None:
+        """No report read yet."""
+        self._was: tuple[float, float] | None = None
+
+    def reset(self) -> None:
+        """Another call: its samples count from 0 again."""
+        self._was = None
+
+    def of(self, reported_at: float, samples_total: float) -> float | None:
+        """Samples a second since the report read before this one (None: none reported, or
+        no two reports read yet)."""
+        was, rate = self._was, None
+        if was is not None and reported_at > was[0]:
+            rate = (samples_total - was[1]) / (reported_at - was[0])
+        if reported_at and (was is None or reported_at > was[0]):
+            self._was = (reported_at, samples_total)
+        return rate if samples_total else None
+
+
 def report(**scalars: Any) -> None:
     """Report numbers of this step from inside a distributed function (loss=..., lr=...,
     samples=batch size, step=N where no optimizer steps); shown and kept over time."""

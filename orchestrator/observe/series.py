@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator.observe.figures import Figures, from_record
 from orchestrator.observe.ring import Column, Ring
+from orchestrator_workers.progress import SamplesRate
 
 if TYPE_CHECKING:
     from orchestrator_workers.protocol import NodeInfo
@@ -132,7 +133,7 @@ class _Process:
         self.latest: Figures | None = None
         self.call = ""
         self.last_step = 0
-        self.last_samples: tuple[float, float] | None = None
+        self.samples = SamplesRate()
         self.minute: _Minute | None = None
 
     def add(self, rank: int, where: Where, at: float, call: str) -> None:
@@ -140,20 +141,16 @@ class _Process:
         if not self.ranks or self.ranks[-1][1] != rank:
             self.ranks.append((at, rank))
         if call != self.call:  # another attempt: its steps count from 1 again
-            self.call, self.last_step, self.last_samples = call, 0, None
+            self.call, self.last_step = call, 0
+            self.samples.reset()
         new_steps = [s for s in where.recent_steps if s[0] > self.last_step]
         for step in new_steps:
             self.steps.add(step)
             self._minute(step[1]).step(step[2])
         if new_steps:
             self.last_step = new_steps[-1][0]
-        rate = math.nan  # samples between the last two reports read, over their time apart
-        was = self.last_samples
-        if was is not None and where.reported_at > was[0]:
-            rate = (where.samples_total - was[1]) / (where.reported_at - was[0])
-        if where.reported_at and (was is None or where.reported_at > was[0]):
-            self.last_samples = (where.reported_at, where.samples_total)
-        figures = from_record(where, at, rate if where.samples_total else None)
+        rate = self.samples.of(where.reported_at, where.samples_total)
+        figures = from_record(where, at, rate)
         self.latest = figures
         self.detail.add(figures.row(at))
         self._minute(at).sample(figures)
