@@ -21,6 +21,7 @@ import time
 from orchestrator_workers import probes
 from orchestrator_workers.places import COMPUTE, UNSEEN, Frame, frame_at, phase_of, place_of
 from orchestrator_workers.progress import PROGRESS
+from orchestrator_workers.raymetrics import RayMetrics
 from orchestrator_workers.stacks import after_entry, frames_of
 from orchestrator_workers.where import MAX_PLACES, OTHER_FUNCTIONS, OTHER_PLACES, Where, Writer
 
@@ -44,8 +45,10 @@ checkpoint, evaluates, or waits for its data loader's workers."""
 class Sampler:
     """A rank's look at its function thread, five times a second while a call runs."""
 
-    def __init__(self) -> None:
-        """Nothing sampled until `begin`; the thread starts with the first call."""
+    def __init__(self, job: str = "", node: str = "") -> None:
+        """Nothing sampled until `begin`; the thread starts with the first call. Its
+        figures go to Ray's metrics too, labelled `job` and `node` (see raymetrics)."""
+        self._metrics = RayMetrics(job, node)
         self._ident: int | None = None
         self._thread: threading.Thread | None = None
         self._record: Writer | None = None
@@ -275,3 +278,4 @@ class Sampler:
             quiet_s=round(self._quiet(now), 2),
         )
         self._record.write(where, now)
+        self._metrics.record(where)

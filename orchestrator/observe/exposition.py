@@ -1,5 +1,8 @@
 """Each running rank's figures as Prometheus text (the page's `/metrics`): one gauge per
-figure, labelled job, rank, node and pid, in base units (seconds, bytes, a ratio)."""
+figure, labelled job, rank, node and pid, in base units (seconds, bytes, a ratio).
+
+The ranks record the same figures under the same names in Ray's own metrics
+(orchestrator_workers/raymetrics.py); the findings (slow, stalled) are the driver's alone."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from dataclasses import dataclass
 
 from orchestrator.observe.figures import Figures
 from orchestrator.observe.reading import RankFigures
+from orchestrator_workers.raymetrics import HELP
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """Prometheus's text format, as its scrapers ask for it."""
@@ -24,55 +28,33 @@ class Gauge:
     value: Callable[[RankFigures], float | None]
 
 
-def _of(read: Callable[[Figures], float | None]) -> Callable[[RankFigures], float | None]:
-    return lambda rank: read(rank.figures)
+def _figure(name: str, read: Callable[[Figures], float | None]) -> Gauge:
+    """A gauge of a figure the ranks also record in Ray's metrics: its name and help theirs."""
+    return Gauge(name, HELP[name], lambda rank: read(rank.figures))
 
 
 GAUGES = (
-    Gauge(
+    _figure(
         "orchestrator_rank_step",
-        "Steps the rank's function completed in this call (optimizer steps, or report(step=)).",
-        _of(lambda f: float(f.step) if f.last_step_at is not None else None),
+        lambda f: float(f.step) if f.last_step_at is not None else None,
     ),
-    Gauge(
-        "orchestrator_rank_step_seconds",
-        "How long the rank's newest step took.",
-        _of(lambda f: f.step_s),
-    ),
-    Gauge(
-        "orchestrator_rank_last_step_timestamp_seconds",
-        "When the rank's newest step ended (Unix time).",
-        _of(lambda f: f.last_step_at),
-    ),
-    Gauge(
-        "orchestrator_rank_samples_per_second",
-        "Samples a second, from the samples the function reports.",
-        _of(lambda f: f.samples_per_s),
-    ),
-    Gauge(
-        "orchestrator_rank_cpu_cores",
-        "CPU the rank's process uses, in cores (every thread).",
-        _of(lambda f: f.cpu),
-    ),
-    Gauge(
-        "orchestrator_rank_memory_bytes",
-        "The rank's process's resident memory.",
-        _of(lambda f: f.rss_mb * 2**20),
-    ),
-    Gauge(
+    _figure("orchestrator_rank_step_seconds", lambda f: f.step_s),
+    _figure("orchestrator_rank_last_step_timestamp_seconds", lambda f: f.last_step_at),
+    _figure("orchestrator_rank_samples_per_second", lambda f: f.samples_per_s),
+    _figure("orchestrator_rank_cpu_cores", lambda f: f.cpu),
+    _figure("orchestrator_rank_memory_bytes", lambda f: f.rss_mb * 2**20),
+    _figure(
         "orchestrator_rank_gpu_memory_bytes",
-        "CUDA memory torch allocated on the rank's GPU (where CUDA is up).",
-        _of(lambda f: f.gpu_mb * 2**20 if f.gpu_mb is not None else None),
+        lambda f: f.gpu_mb * 2**20 if f.gpu_mb is not None else None,
     ),
-    Gauge(
+    _figure(
         "orchestrator_rank_gpu_utilization_ratio",
-        "Share of the last sample period the rank's GPU ran a kernel (0 to 1).",
-        _of(lambda f: f.gpu_busy / 100 if f.gpu_busy is not None else None),
+        lambda f: f.gpu_busy / 100 if f.gpu_busy is not None else None,
     ),
     Gauge(
         "orchestrator_rank_read_timestamp_seconds",
         "When the rank wrote these figures (Unix time).",
-        _of(lambda f: f.at),
+        lambda rank: rank.figures.at,
     ),
     Gauge(
         "orchestrator_rank_slow",

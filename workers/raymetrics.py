@@ -1,0 +1,109 @@
+"""A rank's figures through Ray's own metrics (`ray.util.metrics`): a cluster whose
+Prometheus already scrapes Ray gets every rank's step, step time, samples a second, CPU,
+memory and GPU with nothing to set up.
+
+Recorded in the rank from its record as the sampler writes it (once a second while a
+watched call runs, and at a step's end), labelled job, rank, node and pid: the labels of
+the page's `/metrics` (orchestrator/observe/exposition.py), which serves the same names.
+Ray's metrics agent on each node (started where the node has `ray[default]`) exports them
+with Ray's own, each name prefixed `ray_` as Ray prefixes every application metric
+(`ray_orchestrator_rank_step`); on a node without one, Ray keeps nothing. A gauge keeps
+its last value after a call ends, until the rank's process does. Recording never fails a
+rank: where Ray's metrics cannot be made, the rank goes on without them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from orchestrator_workers.progress import SamplesRate
+from orchestrator_workers.where import Where
+
+HELP = {
+    "orchestrator_rank_step": (
+        "Steps the rank's function completed in this call (optimizer steps, or report(step=))."
+    ),
+    "orchestrator_rank_step_seconds": "How long the rank's newest step took.",
+    "orchestrator_rank_last_step_timestamp_seconds": (
+        "When the rank's newest step ended (Unix time)."
+    ),
+    "orchestrator_rank_samples_per_second": (
+        "Samples a second, from the samples the function reports."
+    ),
+    "orchestrator_rank_cpu_cores": "CPU the rank's process uses, in cores (every thread).",
+    "orchestrator_rank_memory_bytes": "The rank's process's resident memory.",
+    "orchestrator_rank_gpu_memory_bytes": (
+        "CUDA memory torch allocated on the rank's GPU (where CUDA is up)."
+    ),
+    "orchestrator_rank_gpu_utilization_ratio": (
+        "Share of the last sample period the rank's GPU ran a kernel (0 to 1)."
+    ),
+}
+"""The figures a rank records, by metric name: what each says."""
+LABELS = ("job", "rank", "node", "pid")
+
+
+class RayMetrics:
+    """One rank's gauges in Ray's metrics, made at the first record."""
+
+    def __init__(self, job: str, node: str) -> None:
+        """The labels this rank's figures carry apart from its rank (read at each record:
+        a rank can be renumbered)."""
+        self._job, self._node = job, node
+        self._gauges: dict[str, Any] | None = None
+        self._off = False
+        self._samples = SamplesRate()
+        self._call = ""
+
+    def record(self, where: Where) -> None:
+        """Set each gauge from the record the rank just wrote; never raises."""
+        if self._off:
+            return
+        try:
+            gauges = self._gauges if self._gauges is not None else self._made()
+            tags = {
+                "job": self._job,
+                "rank": os.environ.get("RANK", ""),
+                "node": self._node,
+                "pid": str(os.getpid()),
+            }
+            for name, value in self._values(where).items():
+                if value is not None:
+                    gauges[name].set(value, tags)
+        except Exception as exc:  # noqa: BLE001 - the rank goes on without Ray's metrics
+            self._off = True
+            print(
+                f"[orchestrator] this rank's figures are not in Ray's metrics: {exc!r}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _made(self) -> dict[str, Any]:
+        from ray.util.metrics import Gauge  # loaded with Ray in every rank; only here in tests
+
+        self._gauges = {name: Gauge(name, text, LABELS) for name, text in HELP.items()}
+        return self._gauges
+
+    def _values(self, where: Where) -> dict[str, float | None]:
+        newest = where.recent_steps[-1] if where.recent_steps else None
+        if where.call != self._call:  # another call: its samples count from 0 again
+            self._call = where.call
+            self._samples.reset()
+        return {
+            "orchestrator_rank_step": float(where.steps) if newest is not None else None,
+            "orchestrator_rank_step_seconds": newest[2] if newest is not None else None,
+            "orchestrator_rank_last_step_timestamp_seconds": newest[1] if newest else None,
+            "orchestrator_rank_samples_per_second": self._samples.of(
+                where.reported_at, where.samples_total
+            ),
+            "orchestrator_rank_cpu_cores": where.process_cpu,
+            "orchestrator_rank_memory_bytes": where.rss_mb * 2**20,
+            "orchestrator_rank_gpu_memory_bytes": (
+                where.gpu_mb * 2**20 if where.gpu_mb is not None else None
+            ),
+            "orchestrator_rank_gpu_utilization_ratio": (
+                where.gpu_busy / 100 if where.gpu_busy is not None else None
+            ),
+        }
