@@ -25,7 +25,7 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_series import node_infos, reading
-from orchestrator.job import JobStatus, RankStatus
+from orchestrator.jobstatus import JobStatus, RankStatus
 from orchestrator.observe.page import Page
 from orchestrator.observe.reading import Reader
 from orchestrator.observe.series import JobMetrics, Series

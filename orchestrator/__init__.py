@@ -24,7 +24,8 @@ if TYPE_CHECKING:
         SupervisorLostError,
     )
     from orchestrator.function import DistributedFunction, distribute
-    from orchestrator.job import Job, JobStatus, RankStatus
+    from orchestrator.job import Job
+    from orchestrator.jobstatus import JobStatus, RankStatus
     from orchestrator.options import CallOptions, default_log_dir
     from orchestrator.supervise.catalog import JobInfo, get_job, list_jobs
     from orchestrator.supervise.follow import FollowedJob
@@ -47,7 +48,8 @@ _WHERE = {
         "StallError",
         "SupervisorLostError",
     ),
-    "orchestrator.job": ("Job", "JobStatus", "RankStatus"),
+    "orchestrator.job": ("Job",),
+    "orchestrator.jobstatus": ("JobStatus", "RankStatus"),
     "orchestrator.options": ("CallOptions", "default_log_dir"),
     "orchestrator.supervise.catalog": ("JobInfo", "get_job", "list_jobs"),
     "orchestrator.supervise.follow": ("FollowedJob",),

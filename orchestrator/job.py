@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from orchestrator.errors import describe, summary
+from orchestrator.jobstatus import Attempts, JobStatus, RankStatus, restart_line
 from orchestrator.logfiles import read_log
 from orchestrator.observe.series import JobMetrics, Series
 from orchestrator.show import messages
 from orchestrator.show.notebook import CellOutput, Table, rank_table
-from orchestrator.show.summary import SUMMARY_FROM_RANKS, states_line
 from orchestrator.show.text import rank_label
 from orchestrator_workers.states import State
 
@@ -32,54 +32,6 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    """Where one rank is and what it is doing."""
-
-    rank: int
-    state: State
-    """queued, pending (placement), starting, running, finished, failed, stopped, cancelled;
-    while it stops at a breakpoint, "waiting for a debugger" and then "in a debugger" (a
-    State: it compares equal to those words)."""
-    node_ip: str | None = None
-    pid: int | None = None
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    """A snapshot of a job: its state, each rank's, and what it waits for."""
-
-    name: str
-    state: State
-    """queued (behind the function's previous call), pending (waiting for resources),
-    starting (actors starting), running, finished, failed, or cancelled (a State: it
-    compares equal to those words)."""
-    ranks: tuple[RankStatus, ...]
-    waiting_for: str | None = None
-    """While pending: what it needs and what the cluster has free now. While running:
-    which ranks wait for a debugger to attach."""
-    restarts: int = 0
-    """How many times the job was restarted (max_restarts); the attempt is restarts + 1."""
-    failed_attempts: tuple[str, ...] = ()
-    """One line per failed attempt: which rank, where, and why."""
-    stall: str | None = None
-    """While running: the ranks without progress for `stall_after`, grouped by where they
-    are, each group's first stack (see orchestrator.stall), or before that a rank that
-    stopped while its peers wait for it (see diagnose.stopped); None while all move."""
-
-    def __str__(self) -> str:
-        """E.g. 'train: running (r0 finished, r1 running)'; ranks in one state share a
-        part ('r5 failed, r0-4,6-127 stopped'), the fewest first."""
-        detail = f"; {self.waiting_for}" if self.waiting_for else ""
-        restarts = f", restarted {self.restarts}x" if self.restarts else ""
-        if len(self.ranks) < SUMMARY_FROM_RANKS:
-            ranks = ", ".join(f"r{r.rank} {r.state}" for r in self.ranks)
-        else:
-            ranks = states_line((r.rank, r.state) for r in self.ranks)
-        text = f"{self.name}: {self.state}{detail}{restarts} ({ranks})"
-        return f"{text}\n{self.stall}" if self.stall else text
 
 
 @dataclass(frozen=True)
@@ -147,7 +99,7 @@ class Job(Future[list[R]]):
         """When its ranks started running, and when it ended (time.monotonic())."""
         self._phase = State.QUEUED
         self._waiting_for: str | None = None
-        self._failed_attempts: list[str] = []
+        self._attempts = Attempts()
         if in_cell:  # last: it draws the table at once
             self._cell = CellOutput(f"[{name}] submitted", table=self.table)
         _live.add(self)
@@ -171,6 +123,7 @@ class Job(Future[list[R]]):
         if not cancelled:  # it finished just before: its result stands
             return False
         self.set_running_or_notify_cancel()  # concurrent.futures.wait() and as_completed
+        self._attempts.ended(str(State.CANCELLED))
         self._discard()
         self._show(State.CANCELLED)
         return True
@@ -205,12 +158,15 @@ class Job(Future[list[R]]):
             if len(stopped) == 1:
                 which = f"rank {stopped[0]} waits"
             waiting = f"{which} for a debugger (the attach command is in the output)"
-        attempts = tuple(self._failed_attempts)
+        attempts = self._attempts.failures()
         report = (
             (view.stall or view.stopped) if view is not None and phase == State.RUNNING else None
         )
         stall = str(report) if report is not None else None
-        return JobStatus(self.name, phase, tuple(ranks), waiting, len(attempts), attempts, stall)
+        events = self._attempts.events()
+        return JobStatus(
+            self.name, phase, tuple(ranks), waiting, len(attempts), attempts, stall, events=events
+        )
 
     def logs(self, rank: int) -> str:
         """Everything rank `rank` wrote during this job (so far, while it runs)."""
@@ -288,6 +244,7 @@ class Job(Future[list[R]]):
             return  # cancel() settles a job it stopped, and tells everyone
         self._phase = State.FAILED if error is not None else State.FINISHED
         self._error = error  # the table shows its root cause from the next redraw on
+        self._attempts.ended(str(self._phase), summary(error) if error is not None else "")
         why = f": {str(error).splitlines()[0]}" if error is not None else ""
         self._show(f"{self._phase}{why}")  # before the waiter wakes, so its cell sees it
         self._discard()
@@ -346,20 +303,21 @@ class JobControl:
     def running(self, call: Call) -> None:
         """An attempt's ranks run `call` now."""
         self.job._call = call
+        self.job._attempts.running()
         self.job._set_phase(State.RUNNING)
 
     def restarted(self, error: BaseException) -> None:
         """A failed attempt is followed by a restart: say so."""
-        job = self.job
-        job._failed_attempts.append(summary(error))
-        self._say(restart_line(len(job._failed_attempts), job._failed_attempts[-1], job.num_ranks))
+        job, why = self.job, summary(error)
+        job._attempts.restarted(why)
+        self._say(restart_line(len(job._attempts.failures()), why, job.num_ranks))
         job._set_phase(State.STARTING)
 
     def replaced(self, ranks: set[int]) -> None:
         """Say which ranks the restart replaced, the others kept with their processes."""
         kept = sorted(set(range(self.job.num_ranks)) - ranks)
         self._say(
-            f"restart {len(self.job._failed_attempts)}: rank(s) {rank_label(ranks)} in new "
+            f"restart {len(self.job._attempts.failures())}: rank(s) {rank_label(ranks)} in new "
             f"processes; rank(s) {rank_label(kept)} kept, with their memory",
             warn=False,
         )
@@ -381,11 +339,6 @@ class JobControl:
             messages.warn(line, job=job.name)
         else:
             messages.say(line, job=job.name)
-
-
-def restart_line(attempt: int, why: str, ranks: int) -> str:
-    """What is said when failed attempt `attempt` (`why`) is followed by a restart."""
-    return f"attempt {attempt} failed: {why}; restarting all {ranks} ranks (restart {attempt})"
 
 
 _live: set[Job[Any]] = set()

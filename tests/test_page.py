@@ -5,6 +5,7 @@ Prometheus's own parser reads it."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.job import Job
+from orchestrator.job import Job, JobControl
 from orchestrator.observe import exposition
 from orchestrator.observe.figures import Figures
 from orchestrator.observe.page import POLICY, Page
@@ -127,3 +128,21 @@ def test_metrics_as_prometheus_reads_them():
     assert not families["orchestrator_rank_gpu_memory_bytes"].samples  # no GPU: no sample
     assert [s.value for s in families["orchestrator_rank_slow"].samples] == [0.0, 1.0]
     assert all(family.type == "gauge" for family in families.values())
+
+
+def test_a_job_s_failures_and_restarts_reach_its_page_with_their_times():
+    job: Job[Any] = Job("train", 2, lambda job: None)
+    job._discard()  # not one of this process's live jobs
+    control = JobControl(job)
+    began = time.time()
+    control.restarted(RuntimeError("rank 1 crashed (SIGKILL)\nits traceback"))
+    control.finish(error=RuntimeError("rank 0 raised ValueError"))
+    status = job.status()
+    assert status.restarts == 1 and status.failed_attempts == ("rank 1 crashed (SIGKILL)",)
+    events = Reader("a", job).table()["events"]
+    assert [(e["kind"], e["text"]) for e in events] == [
+        ("restart", "rank 1 crashed (SIGKILL)"),
+        ("failed", "rank 0 raised ValueError"),
+    ]
+    assert began <= events[0]["at"] <= events[1]["at"] <= time.time()
+    assert "events" not in repr(status)  # the status line stays one line

@@ -25,7 +25,8 @@ import ray
 
 from orchestrator.connect import bootstrap, local
 from orchestrator.errors import SupervisorEndedError
-from orchestrator.job import Job, JobStatus, Submission
+from orchestrator.job import Job, Submission
+from orchestrator.jobstatus import JobStatus
 from orchestrator.options import Options
 from orchestrator.runner import Runner
 from orchestrator.shipping import Shipment

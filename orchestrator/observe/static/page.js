@@ -1,6 +1,6 @@
 // The job page: the list of jobs, and a job's rank table, plots, output, logs and stacks.
 // Everything from the cluster is put in the page as text (textContent), never as HTML.
-import { lines, heatmap } from "./plot.js";
+import { lines, heatmap, clock } from "./plot.js";
 
 const HEAT_FROM_RANKS = 16;   // from this many ranks, step time is a heat map, not lines
 const KEEP_S = 600;           // the plots show the newest ten minutes
@@ -112,7 +112,11 @@ function drawTable(table) {
   for (const [text, bad] of [[table.waiting_for, false], [table.stopped, true], [table.stall, true], [table.slow, false]]) {
     if (text) findings.appendChild(el("div", text, bad ? "finding bad" : "finding"));
   }
-  for (const attempt of table.failed_attempts) findings.appendChild(el("div", `failed attempt: ${attempt}`, "finding bad"));
+  const said = { restart: "attempt failed, restarted", failed: "failed" };
+  for (const e of table.events) {   // the root cause of each failed attempt, with its time
+    if (said[e.kind]) findings.appendChild(el("div", `${clock(e.at)} ${said[e.kind]}: ${e.text}`, "finding bad"));
+  }
+  current.marks = table.events;   // on the timeline: running, restarts, the end
   const body = $("ranks").querySelector("tbody");
   const now = table.at;
   for (const r of table.rows) {
@@ -166,7 +170,7 @@ function drawPlots(now) {
   const series = (name, scale = 1) => byRank.map((p) => ({
     label: `r${p.rank}`, xs: p.columns.at || [], ys: (p.columns[name] || []).map((v) => (v === null ? null : v * scale)),
   }));
-  const opts = (title, format, none) => ({ title, format, span, events: current.events, none });
+  const opts = (title, format, none) => ({ title, format, span, events: current.events, marks: current.marks, none });
   const step = opts("step time per rank", seconds, "no step yet");
   if (byRank.length >= HEAT_FROM_RANKS) heatmap($("plot-step"), series("step_s"), step);
   else lines($("plot-step"), series("step_s"), step);
@@ -218,7 +222,7 @@ function every(seconds, what) {
 }
 
 function showJob(id) {
-  current = { id, timers: [], rows: new Map(), processes: new Map(), since: 0, after: 0, source: null, events: [] };
+  current = { id, timers: [], rows: new Map(), processes: new Map(), since: 0, after: 0, source: null, events: [], marks: [] };
   $("output").replaceChildren();
   $("ranks").querySelector("tbody").replaceChildren();
   every(1, async () => drawTable(await ask(api("table", id))));

@@ -6,6 +6,8 @@
 export const COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
   "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
 const PAD = { left: 58, right: 10, top: 22, bottom: 22 };
+const MARK_COLOURS = { running: "#59a14f", restart: "#e15759", failed: "#e15759", finished: "#4e79a7", cancelled: "#999" };
+const MARK_NAMES = { running: "running", restart: "restart", failed: "failed", finished: "finished", cancelled: "cancelled" };
 
 function setup(canvas) {
   const ratio = window.devicePixelRatio || 1;
@@ -21,7 +23,7 @@ function setup(canvas) {
   return { ctx, width, height };
 }
 
-function clock(t) {
+export function clock(t) {
   const d = new Date(t * 1000);
   return d.toTimeString().slice(0, 8);
 }
@@ -53,6 +55,12 @@ function frame(ctx, width, height, opts, [y0, y1]) {
     if (e.to < x0) continue;
     ctx.fillStyle = e.kind === "slow" ? "rgba(237,201,72,0.25)" : "rgba(225,87,89,0.22)";
     ctx.fillRect(x(Math.max(e.from, x0)), PAD.top, Math.max(2, x(e.to) - x(Math.max(e.from, x0))), plotH);
+  }
+  for (const m of opts.marks || []) {   // the job's events: a line at each, named on top
+    if (m.at < x0 || m.at > x1) continue;
+    ctx.strokeStyle = ctx.fillStyle = MARK_COLOURS[m.kind] || "#666";
+    ctx.beginPath(); ctx.moveTo(x(m.at), PAD.top); ctx.lineTo(x(m.at), PAD.top + plotH); ctx.stroke();
+    ctx.fillText(MARK_NAMES[m.kind] || m.kind, Math.min(x(m.at) + 3, width - 60), PAD.top + 10);
   }
   return { x, y, plotW, plotH };
 }
