@@ -1,7 +1,8 @@
 """A driver's page in a real browser (Debian's chromium, driven by Selenium): a running
 4-rank job's table moves, a rank's output and the stacks open on a click, what the ranks
-print is shown as text, /metrics answers the page's token as a bearer token, and a rank
-that stops is marked.
+print is shown as text, /metrics answers the page's token as a bearer token, a rank that
+stops is marked, and when it is killed, its attempt's failure (the root cause) and the
+restart are said with their times and marked on the timeline.
 
 `ORCHESTRATOR_SCREENSHOT=docs/dashboard.png` saves the page there (the README's picture).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 import urllib.request
@@ -117,7 +119,7 @@ def test_a_running_job_s_page_in_a_browser(cluster, browser, tmp_path):
     from selenium.webdriver.common.by import By
 
     stop = tmp_path / "stop"
-    with distribute(work, num_replicas=4, stall_after=60, name="page") as fn:
+    with distribute(work, num_replicas=4, stall_after=60, max_restarts=1, name="page") as fn:
         job = fn.submit(1000, 0.1, str(stop))
         address = dashboard.link(job)
         assert address is not None and "?token=" in address
@@ -165,6 +167,58 @@ def test_a_running_job_s_page_in_a_browser(cluster, browser, tmp_path):
         assert not any(
             "stopped" in _class(browser, f'#ranks tr[data-rank="{r}"]') for r in (0, 1, 2)
         )
+
+        # Rank 3 is killed: its attempt fails and a restart has the ranks running again. The
+        # page says when and why (the root cause), and marks both on the timeline.
+        stop.unlink()
+        os.kill(fn.pids()[3], signal.SIGKILL)
+        restarted = "attempt failed, restarted: rank 3"
+        wait_for(lambda: restarted in findings.text, 120, "the failed attempt and its cause")
+        assert "crashed" in findings.text, findings.text
+        wait_for(lambda: "restarted 1x" in _text(browser, "#job-restarts"), 30, "the restart")
+        wait_for(lambda: job.status().state == "running", 120, "the restart running")
         if os.environ.get("ORCHESTRATOR_SCREENSHOT"):
+            time.sleep(10)  # its steps on the plots
             browser.save_screenshot(os.environ["ORCHESTRATOR_SCREENSHOT"])
         job.cancel()
+
+
+def talk(lines: int, pause: float) -> int:
+    """Print numbered lines (one no page may take as HTML) for a while."""
+    for n in range(lines):
+        print(f"line {n} {HOSTILE}", flush=True)
+        time.sleep(pause)
+    return lines
+
+
+def test_a_detached_job_s_live_output_on_the_cluster_s_page(cluster, browser):
+    """`orchestrator dashboard`'s page (its source and server, in this process) shows a
+    detached job's output as it comes, read from its supervisor's journal."""
+    from selenium.webdriver.common.by import By
+
+    from orchestrator.cli.dashboard import Cluster
+    from orchestrator.observe.page import Page
+
+    fn = distribute(
+        talk,
+        num_replicas=2,
+        replicas_per_node=1,
+        detach=True,
+        name="talker",
+        address=cluster.address,
+    )
+    job = fn.submit(3000, 0.1)
+    page = Page(Cluster(cluster.address))
+    try:
+        wait_for(job.running, 60, "the detached job running")
+        browser.get(f"{page.url}#job={job.id}")
+        output = browser.find_element(By.ID, "output")
+        wait_for(lambda: "[talker r1] line" in output.text, 60, "the detached job's output")
+        seen = output.text.count("line ")
+        wait_for(lambda: output.text.count("line ") > seen, 30, "its output to move on")
+        assert HOSTILE in output.text and not browser.find_elements(By.TAG_NAME, "img")
+    finally:
+        page.close()
+        job.cancel()
+        job.release()
+        fn.shutdown()

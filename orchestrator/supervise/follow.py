@@ -21,7 +21,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from orchestrator import job as jobs
 from orchestrator.connect import cluster
 from orchestrator.errors import SupervisorLostError
-from orchestrator.job import Job, JobStatus, RankStatus, restart_line
+from orchestrator.job import Job
+from orchestrator.jobstatus import JobStatus, RankStatus, restart_line
 from orchestrator.observe.series import JobMetrics
 from orchestrator.show import messages
 from orchestrator.show.logs import Console
@@ -64,7 +65,8 @@ class FollowedJob(Job[R]):
 
         `first`: its first page, and its outcome where that page ends it (a submit's answer);
         `backlog`: show each rank's newest this many lines first (None: from the start);
-        `show`: show the ranks' output here as it comes; `fold`, `ranks`: as `distribute`'s
+        `show`: show the ranks' output here as it comes (else only keep its newest lines
+        for a page, `console.shown`); `fold`, `ranks`: as `distribute`'s
         `fold_output` and `log_ranks` (None: as the job's driver asked).
         """
         self.id = record.id
@@ -77,6 +79,8 @@ class FollowedJob(Job[R]):
         self._reading = True
         """Whether a thread reads the journal now (set before it starts, cleared as it ends)."""
         self._show_output = show
+        self._keep_output = not show
+        """Its lines read into its console, not shown: kept for a page (the cluster's)."""
         # Last: in a notebook it draws the table at once, which asks the supervisor.
         super().__init__(record.name, record.ranks, _cancel_remote, in_cell=in_cell, owner=owner)
         jobs._live.discard(self)  # a detached job is not stopped at this process's exit
@@ -86,7 +90,7 @@ class FollowedJob(Job[R]):
             record.ranks,
             prefix=options.log_prefix,
             show=options.log_ranks if ranks is None else ranks,
-            sink=self._cell.write if self._cell is not None else None,
+            sink=_unshown if not show else self._cell.write if self._cell is not None else None,
             fold=options.fold_output if fold is None else fold,
         )
         _following.add(self)
@@ -216,7 +220,7 @@ class FollowedJob(Job[R]):
                 self._reading = False
 
     def _follow_from(self, backlog: int | None, after: int) -> None:
-        if not self._show_output:  # watching for its end only: from where it is now
+        if not (self._show_output or self._keep_output):  # its end only: from where it is
             snapshot = self._look()
             after = snapshot.position if snapshot is not None else 0
         elif backlog is not None:
@@ -253,9 +257,9 @@ class FollowedJob(Job[R]):
                 self._look()  # its state moves on (for status, the table, a cell's title)
 
     def _show_page(self, page: Any) -> None:
-        if not self._show_output or self._unfollowed.is_set():
+        if not (self._show_output or self._keep_output) or self._unfollowed.is_set():
             return
-        for rank, lines in sorted(page.dropped.items()):
+        for rank, lines in sorted(page.dropped.items() if self._show_output else ()):
             messages.say(
                 f"r{rank}: {lines} older lines were dropped (the journal is bounded)", job=self.name
             )
@@ -354,3 +358,7 @@ def stop_following(say: bool = False) -> None:
     """Stop following every detached job (at exit: and say how to get each back)."""
     for job in list(_following):
         job.unfollow(say=say)
+
+
+def _unshown(stream: str, text: str) -> None:
+    """Where a job's lines go that are kept for a page but not shown here."""
