@@ -1,8 +1,10 @@
-"""`orchestrator jobs`, `orchestrator logs ID [--rank R] [-f]` and `orchestrator stop ID`:
-the detached jobs of a cluster, from any terminal that reaches it."""
+"""`orchestrator jobs`, `orchestrator logs ID [--rank R] [-f]`, `orchestrator stop ID` and
+`orchestrator dashboard`: the detached jobs of a cluster, from any terminal that reaches
+it (their subcommands and what each runs)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -92,3 +94,72 @@ def stop(job_id: str, address: str | None) -> int:
     detached.connect_lasting(address)
     print(catalog.stop(job_id))
     return 0
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """The detached jobs' subcommands: jobs, logs, stop, dashboard."""
+    _cluster_command(
+        commands,
+        "jobs",
+        "list the detached jobs of a cluster",
+        "List the jobs started with distribute(..., detach=True): id, state, ranks, nodes, "
+        "when and by whom.",
+    )
+    logs_cmd = _cluster_command(
+        commands,
+        "logs",
+        "print what a detached job's ranks wrote; -f follows it to its end",
+        "Print every line a detached job's ranks wrote (within the journal's bound), "
+        "labelled by rank; --rank R prints that rank's whole log file. -f then follows the "
+        "job until it ends: Ctrl-C stops following, not the job.",
+        epilog="example: orchestrator logs train-3f9a1c -f",
+    )
+    logs_cmd.add_argument("id", help="the job's id (or its name: your newest job of that name)")
+    logs_cmd.add_argument("--rank", type=int, help="only this rank")
+    logs_cmd.add_argument("-f", "--follow", action="store_true", help="follow it to its end")
+    stop_cmd = _cluster_command(
+        commands,
+        "stop",
+        "stop a detached job's ranks",
+        "Stop every rank of a detached job (as job.cancel() does).",
+    )
+    stop_cmd.add_argument(
+        "id",
+        help="the job's id (or its name: your newest job of that name); a warm pool's "
+        "supervisor; or the key of a record that cannot be read, as the warning wrote it",
+    )
+    page_cmd = _cluster_command(
+        commands,
+        "dashboard",
+        "serve a page of the cluster's detached jobs and warm pools on 127.0.0.1",
+        "Serve a page (on 127.0.0.1, with a secret token in its address) that lists the "
+        "cluster's detached jobs and warm pools; each job's ranks, numbers over time, output "
+        "and stacks. Prints its address; runs until Ctrl-C. The page takes no action: "
+        "`orchestrator stop` stops a job.",
+    )
+    page_cmd.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+
+
+def _cluster_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    summary: str,
+    description: str,
+    epilog: str | None = None,
+) -> argparse.ArgumentParser:
+    """A subcommand about a cluster's detached jobs: it takes the cluster's --address."""
+    command: argparse.ArgumentParser = commands.add_parser(
+        name, help=summary, description=description, epilog=epilog
+    )
+    command.add_argument(
+        "--address",
+        help="Ray cluster (default: RAY_ADDRESS, or `ray start`/the local runtime here)",
+    )
+    return command
+
+
+def dashboard(address: str | None, port: int) -> int:
+    """Serve the cluster's page until Ctrl-C (see cli/dashboard.py)."""
+    from orchestrator.cli.dashboard import dashboard  # the page's modules: only for it
+
+    return dashboard(address, port)

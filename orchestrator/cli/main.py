@@ -282,56 +282,6 @@ def _local_status() -> int:
     return 0
 
 
-def _add_jobs(commands: argparse._SubParsersAction) -> None:
-    address_help = "Ray cluster (default: RAY_ADDRESS, or `ray start`/the local runtime here)"
-    jobs_cmd = commands.add_parser(
-        "jobs",
-        help="list the detached jobs of a cluster",
-        description="List the jobs started with distribute(..., detach=True): id, state, "
-        "ranks, nodes, when and by whom.",
-    )
-    jobs_cmd.add_argument("--address", help=address_help)
-    logs_cmd = commands.add_parser(
-        "logs",
-        help="print what a detached job's ranks wrote; -f follows it to its end",
-        description="Print every line a detached job's ranks wrote (within the journal's "
-        "bound), labelled by rank; --rank R prints that rank's whole log file. -f then "
-        "follows the job until it ends: Ctrl-C stops following, not the job.",
-        epilog="example: orchestrator logs train-3f9a1c -f",
-    )
-    logs_cmd.add_argument("id", help="the job's id (or its name: your newest job of that name)")
-    logs_cmd.add_argument("--rank", type=int, help="only this rank")
-    logs_cmd.add_argument("-f", "--follow", action="store_true", help="follow it to its end")
-    logs_cmd.add_argument("--address", help=address_help)
-    stop_cmd = commands.add_parser(
-        "stop",
-        help="stop a detached job's ranks",
-        description="Stop every rank of a detached job (as job.cancel() does).",
-    )
-    stop_cmd.add_argument(
-        "id",
-        help="the job's id (or its name: your newest job of that name); a warm pool's "
-        "supervisor; or the key of a record that cannot be read, as the warning wrote it",
-    )
-    stop_cmd.add_argument("--address", help=address_help)
-    page_cmd = commands.add_parser(
-        "dashboard",
-        help="serve a page of the cluster's detached jobs and warm pools on 127.0.0.1",
-        description="Serve a page (on 127.0.0.1, with a secret token in its address) that "
-        "lists the cluster's detached jobs and warm pools; each job's ranks, numbers over "
-        "time, output and stacks. Prints its address; runs until Ctrl-C. The page takes "
-        "no action: `orchestrator stop` stops a job.",
-    )
-    page_cmd.add_argument("--address", help=address_help)
-    page_cmd.add_argument("--port", type=int, default=0, help="port (default: a free one)")
-
-
-def _dashboard(address: str | None, port: int) -> int:
-    from orchestrator.cli.dashboard import dashboard  # the page's modules: only for it
-
-    return dashboard(address, port)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen subcommand; the exit status."""
     parser = argparse.ArgumentParser(
@@ -367,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     attach_cmd.add_argument("address", help="HOST:PORT printed by the waiting rank")
     _add_local(commands)
-    _add_jobs(commands)
+    jobs.add_commands(commands)
     args = parser.parse_args(argv)
     commands_of = {
         "run": lambda: _run(args),
@@ -378,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": lambda: jobs.jobs(args.address),
         "logs": lambda: jobs.logs(args.id, args.rank, args.follow, args.address),
         "stop": lambda: jobs.stop(args.id, args.address),
-        "dashboard": lambda: _dashboard(args.address, args.port),
+        "dashboard": lambda: jobs.dashboard(args.address, args.port),
     }
     try:
         return commands_of[args.command]()
