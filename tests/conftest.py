@@ -95,6 +95,7 @@ LONGEST_FIRST = (
     "test_soak",
     "test_output",
     "test_notebook",
+    "test_raymetrics",
     "test_stacks",
 )
 """The modules that take longest (their seconds in a full run's `--durations=0`, most

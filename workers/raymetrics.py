@@ -2,8 +2,8 @@
 Prometheus already scrapes Ray gets every rank's step, step time, samples a second, CPU,
 memory and GPU with nothing to set up.
 
-Recorded in the rank from its record as the sampler writes it (once a second while a
-watched call runs, and at a step's end), labelled job, rank, node and pid: the labels of
+Recorded in the rank from its record as the sampler writes it (while a watched call
+runs), at most once a second, labelled job, rank, node and pid: the labels of
 the page's `/metrics` (orchestrator/observe/exposition.py), which serves the same names.
 Ray's metrics agent on each node (started where the node has `ray[default]`) exports them
 with Ray's own, each name prefixed `ray_` as Ray prefixes every application metric
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from orchestrator_workers.progress import SamplesRate
@@ -43,6 +44,9 @@ HELP = {
 }
 """The figures a rank records, by metric name: what each says."""
 LABELS = ("job", "rank", "node", "pid")
+EVERY_S = 1.0
+"""Recorded at most this often (Ray's agents push every 10 s by default): a record written
+at each look while steps go by costs no more than one a second."""
 
 
 class RayMetrics:
@@ -56,11 +60,14 @@ class RayMetrics:
         self._off = False
         self._samples = SamplesRate()
         self._call = ""
+        self._recorded = -EVERY_S
 
     def record(self, where: Where) -> None:
         """Set each gauge from the record the rank just wrote; never raises."""
-        if self._off:
+        now = time.monotonic()
+        if self._off or now - self._recorded < EVERY_S:
             return
+        self._recorded = now
         try:
             gauges = self._gauges if self._gauges is not None else self._made()
             tags = {

@@ -35,6 +35,9 @@ RECORDER_AFTER_S = 2.0
 """How long a stack stays the same before the rank reads torch's flight recorder."""
 RECORDER_EVERY_S = 5.0
 """While it stays the same, how often the recorder is read again."""
+QUIET_FROM_S = 1.0
+"""How long a stack stays the same before the process's CPU and I/O are read (from then
+on, at each record): a stopped rank is named after 10 s at the soonest."""
 IDLE_CORES = 0.1
 IDLE_BYTES_S = 100_000
 """A process (with its children) that, while its stack stays the same, uses less CPU and
@@ -202,6 +205,8 @@ class Sampler:
     def _quiet(self, now: float) -> float:
         """How long the process (and its children) has kept quiet: its stack's stillness
         where, over it, it used under IDLE_CORES and IDLE_BYTES_S on average; else 0."""
+        if now - self._since < QUIET_FROM_S:  # moving: nothing to read (a look's third)
+            return 0.0
         used, moved = probes.activity()
         used -= self._sampler_s  # its own looks (the flight recorder's reading) are not the rank's
         if self._activity is None:  # read first once the stack stays: from then on
