@@ -56,11 +56,15 @@ function frame(ctx, width, height, opts, [y0, y1]) {
     ctx.fillStyle = e.kind === "slow" ? "rgba(237,201,72,0.25)" : "rgba(225,87,89,0.22)";
     ctx.fillRect(x(Math.max(e.from, x0)), PAD.top, Math.max(2, x(e.to) - x(Math.max(e.from, x0))), plotH);
   }
+  let line = 0, free = -Infinity;   // where the last name ends: a close one goes a line lower
   for (const m of opts.marks || []) {   // the job's events: a line at each, named on top
     if (m.at < x0 || m.at > x1) continue;
     ctx.strokeStyle = ctx.fillStyle = MARK_COLOURS[m.kind] || "#666";
     ctx.beginPath(); ctx.moveTo(x(m.at), PAD.top); ctx.lineTo(x(m.at), PAD.top + plotH); ctx.stroke();
-    ctx.fillText(MARK_NAMES[m.kind] || m.kind, Math.min(x(m.at) + 3, width - 60), PAD.top + 10);
+    const name = MARK_NAMES[m.kind] || m.kind, left = Math.min(x(m.at) + 3, width - 60);
+    line = left < free ? line + 1 : 0;
+    ctx.fillText(name, left, PAD.top + 10 + 12 * line);
+    free = Math.max(line ? free : -Infinity, left + ctx.measureText(name).width + 4);
   }
   return { x, y, plotW, plotH };
 }
