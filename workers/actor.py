@@ -84,7 +84,7 @@ class RankActor:
         self._packed_spec = b""
         self._spec: RankSpec | None = None
         self._capture = Capture()
-        self._sampler = Sampler(job_name, self._node_ip)
+        self._sampler = Sampler(self._node_ip)
         self._door = handoff.Door(self._serve_call)
         self._hand = handoff.Hand()
         self._packed_peers = b""
@@ -281,7 +281,7 @@ class RankActor:
         started = time.time()
         sampler = self._sampler if watched else None
         if sampler is not None:
-            sampler.begin(device, call_key)
+            sampler.begin(device, call_key, spec.job_name)
         try:
             with script.driver_main(fn):
                 value = fn(*args, **kwargs)

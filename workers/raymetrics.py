@@ -52,10 +52,15 @@ at each look while steps go by costs no more than one a second."""
 class RayMetrics:
     """One rank's gauges in Ray's metrics, made at the first record."""
 
-    def __init__(self, job: str, node: str) -> None:
-        """The labels this rank's figures carry apart from its rank (read at each record:
-        a rank can be renumbered)."""
-        self._job, self._node = job, node
+    def __init__(self, node: str) -> None:
+        """The node this rank's figures are labelled with; the job's name is its call's
+        (a spare serves another job each time), the rank read at each record (a rank can
+        be renumbered)."""
+        self.job = ""
+        """The running call's job name (set as a call begins)."""
+        self._node = node
+        self._pending: Where | None = None
+        """The newest record not recorded yet (within a second of the last)."""
         self._gauges: dict[str, Any] | None = None
         self._off = False
         self._samples = SamplesRate()
@@ -63,15 +68,17 @@ class RayMetrics:
         self._recorded = -EVERY_S
 
     def record(self, where: Where) -> None:
-        """Set each gauge from the record the rank just wrote; never raises."""
+        """Set each gauge from the record the rank just wrote (at most once a second: else
+        kept for the next, or `flush`); never raises."""
         now = time.monotonic()
         if self._off or now - self._recorded < EVERY_S:
+            self._pending = where
             return
-        self._recorded = now
+        self._recorded, self._pending = now, None
         try:
             gauges = self._gauges if self._gauges is not None else self._made()
             tags = {
-                "job": self._job,
+                "job": self.job,
                 "rank": os.environ.get("RANK", ""),
                 "node": self._node,
                 "pid": str(os.getpid()),
@@ -86,6 +93,13 @@ class RayMetrics:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def flush(self) -> None:
+        """Record the newest record kept back (a call's end: its last step counts)."""
+        pending = self._pending
+        if pending is not None:
+            self._recorded = -EVERY_S
+            self.record(pending)
 
     def _made(self) -> dict[str, Any]:
         from ray.util.metrics import Gauge  # loaded with Ray in every rank; only here in tests

@@ -48,10 +48,10 @@ checkpoint, evaluates, or waits for its data loader's workers."""
 class Sampler:
     """A rank's look at its function thread, five times a second while a call runs."""
 
-    def __init__(self, job: str = "", node: str = "") -> None:
+    def __init__(self, node: str = "") -> None:
         """Nothing sampled until `begin`; the thread starts with the first call. Its
-        figures go to Ray's metrics too, labelled `job` and `node` (see raymetrics)."""
-        self._metrics = RayMetrics(job, node)
+        figures go to Ray's metrics too, labelled with `node` (see raymetrics)."""
+        self._metrics = RayMetrics(node)
         self._ident: int | None = None
         self._thread: threading.Thread | None = None
         self._record: Writer | None = None
@@ -85,10 +85,10 @@ class Sampler:
         self._functions: dict[str, int] = {}
         self._phases: dict[str, list[float]] = {}
 
-    def begin(self, device: int | None = None, call: str = "") -> None:
+    def begin(self, device: int | None = None, call: str = "", job: str = "") -> None:
         """The calling thread runs a call's function from now on: watch it (`device`: the
         CUDA device it was given; the looking thread's own current device is the first;
-        `call`: the call's key, which its records carry).
+        `call`: the call's key, which its records carry; `job`: its job's name).
 
         Said at once, not by the sampler: a function that takes the GIL for good at its
         first line would leave the last call's end as this rank's word. Never raises: a
@@ -99,7 +99,7 @@ class Sampler:
         now = time.time()
         with self._writing:
             self._key, self._since, self._frames, self._collective = None, now, (), ""
-            self._call = call
+            self._call, self._metrics.job = call, job
             self._recorded, self._device = ("", 0.0), device
             self._place, self._function, self._phase = str(UNSEEN), "", COMPUTE
             self._clock, self._cpu = probes.cpu_clock(), 0.0
@@ -118,6 +118,7 @@ class Sampler:
         with self._writing:
             self._ident = None
             PROGRESS.end()
+            self._metrics.flush()
             self._write(time.time(), running=False)
 
     def _started(self) -> bool:
