@@ -23,6 +23,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,8 @@ IO_S = 120.0
 """The longest pause between two reads or writes of a copy's bytes."""
 _CONNECT_TRIES = 3
 """Connections tried where the keeper hangs up before the proof."""
+_RETRY_S = 0.05
+"""The pause before the second try (twice that before the third)."""
 _MAGIC = b"orchestrator-snapshot-1\n"
 _NONCE = 16
 _PUT, _GET = b"P", b"G"
@@ -214,10 +217,14 @@ def _connect(address: tuple[str, int], key: bytes) -> socket.socket:
             _no_delay(conn)
             conn.settimeout(HANDSHAKE_S * 3)
             proven = _prove(conn, key)
-        except ConnectionError:
+        except ConnectionError as exc:
             conn.close()
             if attempt == _CONNECT_TRIES:
-                raise
+                raise ChannelError(
+                    f"the rank at {_where(address)} hung up before the proof, {attempt} "
+                    f"times ({exc})"
+                ) from None
+            time.sleep(_RETRY_S * attempt)
             continue
         except BaseException:
             conn.close()

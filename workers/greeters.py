@@ -199,8 +199,10 @@ class Greeters:
             crowd, cap = others, self.limit
         else:
             return
-        for greeter in crowd:
-            self._read(greeter)
+        for key, _ in self._selector.select(0):  # one look at what came meanwhile
+            greeter = key.data
+            if isinstance(greeter, _Greeter) and greeter.conn in self._greeting:
+                self._read(greeter)
         left = [g for g in crowd if g.conn in self._greeting]
         if len(left) >= cap:
             self._drop(min(left, key=_progress))
