@@ -158,12 +158,12 @@ class Job(Future[list[R]]):
             if len(stopped) == 1:
                 which = f"rank {stopped[0]} waits"
             waiting = f"{which} for a debugger (the attach command is in the output)"
-        attempts = self._attempts.failures()
+        events = self._attempts.events()
+        attempts = tuple(e.text for e in events if e.kind == "restart")
         report = (
             (view.stall or view.stopped) if view is not None and phase == State.RUNNING else None
         )
         stall = str(report) if report is not None else None
-        events = self._attempts.events()
         return JobStatus(
             self.name, phase, tuple(ranks), waiting, len(attempts), attempts, stall, events=events
         )

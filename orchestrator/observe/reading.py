@@ -102,7 +102,6 @@ class Reader:
             "slow": table.slow,
             "waiting_for": status.waiting_for,
             "restarts": status.restarts,
-            "failed_attempts": list(status.failed_attempts),
             "events": [{"at": e.at, "kind": e.kind, "text": e.text} for e in status.events],
             "rows": rows,
             "at": time.time(),

@@ -182,7 +182,7 @@ class FollowedJob(Job[R]):
         with self._following_lock:
             if self.done() or not self._unfollowed.is_set():
                 return
-            self._show_output = False
+            self._show_output = self._keep_output = False  # its end only, nothing again
             self._unfollowed.clear()  # a follower still reading goes on, quietly
             if self._reading:
                 return

@@ -112,9 +112,8 @@ function drawTable(table) {
   for (const [text, bad] of [[table.waiting_for, false], [table.stopped, true], [table.stall, true], [table.slow, false]]) {
     if (text) findings.appendChild(el("div", text, bad ? "finding bad" : "finding"));
   }
-  const said = { restart: "attempt failed, restarted", failed: "failed" };
-  for (const e of table.events) {   // the root cause of each failed attempt, with its time
-    if (said[e.kind]) findings.appendChild(el("div", `${clock(e.at)} ${said[e.kind]}: ${e.text}`, "finding bad"));
+  for (const e of table.events) {   // each restarted attempt's root cause, with its time
+    if (e.kind === "restart") findings.appendChild(el("div", `${clock(e.at)} attempt failed, restarted: ${e.text}`, "finding bad"));
   }
   current.marks = table.events;   // on the timeline: running, restarts, the end
   const body = $("ranks").querySelector("tbody");

@@ -7,7 +7,6 @@ export const COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
   "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
 const PAD = { left: 58, right: 10, top: 22, bottom: 22 };
 const MARK_COLOURS = { running: "#59a14f", restart: "#e15759", failed: "#e15759", finished: "#4e79a7", cancelled: "#999" };
-const MARK_NAMES = { running: "running", restart: "restart", failed: "failed", finished: "finished", cancelled: "cancelled" };
 
 function setup(canvas) {
   const ratio = window.devicePixelRatio || 1;
@@ -56,17 +55,24 @@ function frame(ctx, width, height, opts, [y0, y1]) {
     ctx.fillStyle = e.kind === "slow" ? "rgba(237,201,72,0.25)" : "rgba(225,87,89,0.22)";
     ctx.fillRect(x(Math.max(e.from, x0)), PAD.top, Math.max(2, x(e.to) - x(Math.max(e.from, x0))), plotH);
   }
+  return { x, y, plotW, plotH };
+}
+
+// The job's events (opts.marks): a line at each, over what was drawn, named on top.
+function marks(ctx, width, height, opts) {
+  const [x0, x1] = opts.span;
+  const plotW = width - PAD.left - PAD.right, plotH = height - PAD.top - PAD.bottom;
+  const x = (t) => PAD.left + ((t - x0) / (x1 - x0 || 1)) * plotW;
   let line = 0, free = -Infinity;   // where the last name ends: a close one goes a line lower
-  for (const m of opts.marks || []) {   // the job's events: a line at each, named on top
+  for (const m of opts.marks || []) {
     if (m.at < x0 || m.at > x1) continue;
     ctx.strokeStyle = ctx.fillStyle = MARK_COLOURS[m.kind] || "#666";
     ctx.beginPath(); ctx.moveTo(x(m.at), PAD.top); ctx.lineTo(x(m.at), PAD.top + plotH); ctx.stroke();
-    const name = MARK_NAMES[m.kind] || m.kind, left = Math.min(x(m.at) + 3, width - 60);
+    const left = Math.min(x(m.at) + 3, width - 60);
     line = left < free ? line + 1 : 0;
-    ctx.fillText(name, left, PAD.top + 10 + 12 * line);
-    free = Math.max(line ? free : -Infinity, left + ctx.measureText(name).width + 4);
+    ctx.fillText(m.kind, left, PAD.top + 10 + 12 * line);
+    free = Math.max(line ? free : -Infinity, left + ctx.measureText(m.kind).width + 4);
   }
-  return { x, y, plotW, plotH };
 }
 
 function empty(ctx, width, height, opts) {
@@ -99,6 +105,8 @@ export function lines(canvas, series, opts) {
     });
     ctx.stroke();
   });
+  ctx.lineWidth = 1;
+  marks(ctx, width, height, opts);
   if (series.length <= 8) {   // a legend where it fits
     let at = width - PAD.right;
     ctx.textAlign = "right";
@@ -140,6 +148,7 @@ export function heatmap(canvas, rows, opts) {
       ctx.textAlign = "left";
     }
   });
+  marks(ctx, width, height, opts);
   ctx.fillStyle = "#666";
   ctx.textAlign = "right";
   ctx.fillText(`${opts.format(lo)} .. ${opts.format(hi)}`, width - PAD.right, 14);
