@@ -136,7 +136,7 @@ class MachineClock:
 
     def pace(self) -> float:
         """How many times slower than a quiet machine this one runs now (1 to `slowest`)."""
-        busy = os.getloadavg()[0] / (os.cpu_count() or 1)
+        busy = os.getloadavg()[0] / len(os.sched_getaffinity(0))
         return min(max(busy, 1.0), self.slowest)
 
     def __str__(self) -> str:

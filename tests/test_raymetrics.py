@@ -91,6 +91,11 @@ def _free_port() -> int:
         return free.getsockname()[1]
 
 
+def _ranks(samples: list) -> set[str]:
+    """The ranks of the job `metered` among a family's samples."""
+    return {s.labels["rank"] for s in samples if s.labels.get("job") == "metered"}
+
+
 def _scrape(port: int) -> dict[str, list]:
     """Ray's export on this node: each orchestrator family's samples, by name."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
@@ -112,6 +117,7 @@ def test_a_running_job_s_figures_are_in_ray_s_metrics(ray_default, processes, tm
     env.update(ORCHESTRATOR_LOG_DIR=str(tmp_path / "logs"), PYTHONPATH=str(ROOT))
     env["RAY_metrics_report_interval_ms"] = "1000"  # Ray's default pushes every 10 s
     port, metrics = _free_port(), _free_port()
+    log = (tmp_path / "head.log").open("w")
     head = subprocess.Popen(
         [
             str(ray_default),
@@ -129,12 +135,12 @@ def test_a_running_job_s_figures_are_in_ray_s_metrics(ray_default, processes, tm
         ],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "head.log").open("w"),
+        stderr=log,
         start_new_session=True,
     )
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    driver, output = None, ""
+    driver = None
     try:
         clock = MachineClock()
         while not (temp / "ray" / "ray_current_cluster").exists():  # written once all is up
@@ -149,28 +155,27 @@ def test_a_running_job_s_figures_are_in_ray_s_metrics(ray_default, processes, tm
             stderr=subprocess.STDOUT,
             text=True,
         )
+        wanted = {f"ray_{name}" for name in HELP} - {
+            "ray_orchestrator_rank_gpu_memory_bytes",  # no CUDA here: not known, so not recorded
+            "ray_orchestrator_rank_gpu_utilization_ratio",
+        }
         clock, seen = MachineClock(), {}
         while clock.seconds() < 60:
             assert driver.poll() is None, driver.communicate()[0][-3000:]
             seen = _scrape(metrics)
-            ranks = {s.labels["rank"] for s in seen.get("ray_orchestrator_rank_step", ())}
-            if ranks == {"0", "1"}:
+            if set(seen) == wanted and all(_ranks(seen[name]) == {"0", "1"} for name in wanted):
                 break
             time.sleep(1)
         else:
-            pytest.fail(f"not both ranks' steps in Ray's metrics within 60 s: {seen}")
-        time.sleep(2)  # a second report a rank apart: samples a second
-        seen = _scrape(metrics)
+            pytest.fail(f"not every figure of both ranks in Ray's metrics within 60 s: {seen}")
     finally:
         if driver is not None:
             driver.kill()
-            output = driver.communicate()[0]
+            driver.communicate()
         stop_head(head.pid)
+        head.wait(timeout=30)
+        log.close()
         shutil.rmtree(temp, ignore_errors=True)
-    assert set(seen) == {f"ray_{name}" for name in HELP} - {
-        "ray_orchestrator_rank_gpu_memory_bytes",  # no CUDA here: not known, so not recorded
-        "ray_orchestrator_rank_gpu_utilization_ratio",
-    }, (sorted(seen), output)
     for family, samples in seen.items():
         by_rank = {s.labels["rank"]: s for s in samples if s.labels.get("job") == "metered"}
         assert set(by_rank) == {"0", "1"}, (family, samples)
