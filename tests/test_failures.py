@@ -102,9 +102,10 @@ def test_rank_exception_raised_at_once_and_pool_recovers(cluster, capfd):
     # The peers' errors caused by rank 2 leaving are listed after it, never as the cause.
     assert err.failures[0].rank == 2
     secondary = err.failures[1:]
-    # gloo says "Connection closed by peer" or "Connection reset by peer", by timing.
-    assert secondary and all(is_secondary(f) for f in secondary), secondary
-    assert "other rank(s) failed after it" in str(err)
+    # gloo says "Connection closed by peer" or "Connection reset by peer", by timing. On a
+    # loaded machine the call may end before any peer reached its all_reduce: none listed.
+    assert all(is_secondary(f) for f in secondary), secondary
+    assert not secondary or "other rank(s) failed after it" in str(err)
 
     # The same function works again: the stuck pool was replaced.
     fn.fn = lambda: int(os.environ["RANK"])

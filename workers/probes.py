@@ -6,6 +6,7 @@ has not loaded: no torch, no CUDA context, no NVML before CUDA is initialized.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
@@ -25,9 +26,12 @@ def rss_mb() -> float:
         return 0.0
 
 
-def activity() -> tuple[float, int]:
-    """CPU seconds this process and its children (a data loader's workers) have used, and
-    the bytes it has read and written (files, pipes and sockets alike), so far."""
+def activity(apart: int | None = None) -> tuple[float, int]:
+    """CPU seconds this process and its children (a data loader's workers) have used or
+    waited for (runnable on a busy machine's run queue: a rank that wants CPU and gets
+    little is busy, not stopped), apart from thread `apart`'s waits (the caller's own,
+    by native id), and the bytes it has read and written (files, pipes and sockets
+    alike), so far."""
     used = time.process_time()
     try:
         with open("/proc/self/io", "rb") as io:
@@ -36,26 +40,40 @@ def activity() -> tuple[float, int]:
     except (OSError, ValueError, KeyError):
         moved = 0
     tick = os.sysconf("SC_CLK_TCK")
-    for child in _children():
+    children: list[str] = []
+    for task in _tasks():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/self/task/{task}/children", "rb") as listed:
+                children += listed.read().decode().split()
+            if task != str(apart):
+                used += _waited(f"/proc/self/task/{task}/schedstat")
+    for child in children:
         try:
             with open(f"/proc/{child}/stat", "rb") as stat:
                 after_name = stat.read().rsplit(b")", 1)[1].split()
             used += (int(after_name[11]) + int(after_name[12])) / tick  # utime, stime
+            used += _waited(f"/proc/{child}/schedstat")
         except (OSError, ValueError, IndexError):
             continue
     return used, moved
 
 
-def _children() -> list[str]:
-    """This process's children (of each of its threads), by pid."""
-    found: list[str] = []
+def _tasks() -> list[str]:
+    """This process's threads, by native id."""
     try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children", "rb") as children:
-                found += children.read().decode().split()
+        return os.listdir("/proc/self/task")
     except OSError:
-        pass
-    return found
+        return []
+
+
+def _waited(schedstat: str) -> float:
+    """Seconds a thread spent runnable but waiting for a CPU (schedstat: ns on the CPU,
+    ns waiting on a run queue, time slices); 0 where the kernel does not say."""
+    try:
+        with open(schedstat, "rb") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def cpu_clock() -> int:

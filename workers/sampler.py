@@ -208,7 +208,7 @@ class Sampler:
         where, over it, it used under IDLE_CORES and IDLE_BYTES_S on average; else 0."""
         if now - self._since < QUIET_FROM_S:  # moving: nothing to read (a look's third)
             return 0.0
-        used, moved = probes.activity()
+        used, moved = probes.activity(apart=threading.get_native_id())
         used -= self._sampler_s  # its own looks (the flight recorder's reading) are not the rank's
         if self._activity is None:  # read first once the stack stays: from then on
             self._activity, self._since_activity = (used, moved), now
