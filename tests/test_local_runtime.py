@@ -194,7 +194,7 @@ def runtime() -> Iterator[Runtime]:
     env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT), HOME=str(tmp / "home"))
     rt = Runtime(env, tmp)
     port = _free_port()
-    started = rt.cli("start", "--spares", "3", "--port", str(port), "--cpus", "8", timeout=180)
+    started = rt.cli("start", "--spares", "3", "--port", str(port), "--cpus", "8", timeout=420)
     assert started.returncode == 0, started.stdout + started.stderr
     assert "3 warm rank processes" in started.stdout, started.stdout
     token = tmp / "home" / ".ray" / "auth_token"
@@ -441,7 +441,7 @@ def test_a_private_folder_another_user_made_first_is_not_used(
         env.update(TMPDIR=str(shared), XDG_STATE_HOME=str(tmp / "state"), HOME=str(tmp / "home"))
         rt = Runtime(env, tmp)
         port = _free_port()
-        started = rt.cli("start", "--spares", "0", "--port", str(port), timeout=180)
+        started = rt.cli("start", "--spares", "0", "--port", str(port), timeout=420)
         record = tmp / "state" / "orchestrator" / f"local-runtime-{port}.json"
         try:
             assert started.returncode == 0, started.stdout + started.stderr

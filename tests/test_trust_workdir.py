@@ -78,7 +78,7 @@ class Runtime:
             env=self.env,
             capture_output=True,
             text=True,
-            timeout=180,
+            timeout=420,  # a start on a loaded machine (connect/head.py waits 300 s)
             check=False,
         )
 

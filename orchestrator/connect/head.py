@@ -16,8 +16,10 @@ from orchestrator.errors import LocalRuntimeError
 from orchestrator.show import messages
 from orchestrator_workers import private
 
-START_TIMEOUT_S = 120.0
-"""How long a head, and then its spares, have to come up."""
+START_TIMEOUT_S = 300.0
+"""How long a head has to come up, at most: while its `ray start` runs it is waited for
+(Ray gives up on its own, its raylet after 30 s, where it cannot start), however slowly
+a busy machine brings it up; this ends a start that hangs."""
 STOP_WAIT_S = 60.0
 """How long `ray start --block` has to stop what it started, once told (SIGTERM); then its
 whole process group is killed."""

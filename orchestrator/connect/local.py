@@ -44,6 +44,8 @@ from orchestrator_workers.spares import (
 )
 
 _said = threading.Event()
+_SPARES_WAIT_S = 120.0
+"""How long a start waits for its spares to be ready (then it says how many are)."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ def start(*, spares: int, port: int, cpus: int | None, idle_timeout: float | Non
         broker: Any = RemoteBroker.options(  # an actor handle: Ray types its methods loosely
             name=BROKER_NAME, namespace=NAMESPACE, lifetime="detached"
         ).remote(spares, idle_timeout, process.pid, names)
-        deadline = time.monotonic() + head.START_TIMEOUT_S
+        deadline = time.monotonic() + _SPARES_WAIT_S
         while True:
             info: RuntimeInfo = ray.get(broker.info.remote(), timeout=30)
             if len(info.ready) >= spares or time.monotonic() > deadline:
