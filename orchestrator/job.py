@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from orchestrator.errors import describe, summary
-from orchestrator.jobstatus import Attempts, JobStatus, RankStatus, restart_line
+from orchestrator.jobstatus import Attempts, JobStatus, RankStatus, failures, restart_line
 from orchestrator.logfiles import read_log
 from orchestrator.observe.series import JobMetrics, Series
 from orchestrator.show import messages
@@ -159,7 +159,7 @@ class Job(Future[list[R]]):
                 which = f"rank {stopped[0]} waits"
             waiting = f"{which} for a debugger (the attach command is in the output)"
         events = self._attempts.events()
-        attempts = tuple(e.text for e in events if e.kind == "restart")
+        attempts = failures(events)
         report = (
             (view.stall or view.stopped) if view is not None and phase == State.RUNNING else None
         )

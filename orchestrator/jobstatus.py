@@ -99,8 +99,7 @@ class Attempts:
 
     def failures(self) -> tuple[str, ...]:
         """Why each restarted attempt failed, oldest first."""
-        with self._lock:
-            return tuple(e.text for e in self._events if e.kind == "restart")
+        return failures(self.events())
 
     def events(self) -> tuple[JobEvent, ...]:
         """Every event so far, oldest first."""
@@ -110,6 +109,11 @@ class Attempts:
     def _add(self, kind: str, text: str) -> None:
         with self._lock:
             self._events.append(JobEvent(time.time(), kind, text))
+
+
+def failures(events: tuple[JobEvent, ...]) -> tuple[str, ...]:
+    """Why each restarted attempt of `events` failed, oldest first."""
+    return tuple(e.text for e in events if e.kind == "restart")
 
 
 def restart_line(attempt: int, why: str, ranks: int) -> str:

@@ -56,16 +56,19 @@ class RayMetrics:
         """The node this rank's figures are labelled with; the job's name is its call's
         (a spare serves another job each time), the rank read at each record (a rank can
         be renumbered)."""
-        self.job = ""
-        """The running call's job name (set as a call begins)."""
+        self._job = ""
         self._node = node
         self._pending: Where | None = None
         """The newest record not recorded yet (within a second of the last)."""
         self._gauges: dict[str, Any] | None = None
         self._off = False
         self._samples = SamplesRate()
-        self._call = ""
         self._recorded = -EVERY_S
+
+    def begin(self, job: str) -> None:
+        """A call of job `job` begins: its figures are labelled so, its samples count anew."""
+        self._job = job
+        self._samples.reset()
 
     def record(self, where: Where) -> None:
         """Set each gauge from the record the rank just wrote (at most once a second: else
@@ -78,7 +81,7 @@ class RayMetrics:
         try:
             gauges = self._gauges if self._gauges is not None else self._made()
             tags = {
-                "job": self.job,
+                "job": self._job,
                 "rank": os.environ.get("RANK", ""),
                 "node": self._node,
                 "pid": str(os.getpid()),
@@ -109,22 +112,38 @@ class RayMetrics:
 
     def _values(self, where: Where) -> dict[str, float | None]:
         newest = where.recent_steps[-1] if where.recent_steps else None
-        if where.call != self._call:  # another call: its samples count from 0 again
-            self._call = where.call
-            self._samples.reset()
-        return {
-            "orchestrator_rank_step": float(where.steps) if newest is not None else None,
-            "orchestrator_rank_step_seconds": newest[2] if newest is not None else None,
-            "orchestrator_rank_last_step_timestamp_seconds": newest[1] if newest else None,
-            "orchestrator_rank_samples_per_second": self._samples.of(
-                where.reported_at, where.samples_total
-            ),
-            "orchestrator_rank_cpu_cores": where.process_cpu,
-            "orchestrator_rank_memory_bytes": where.rss_mb * 2**20,
-            "orchestrator_rank_gpu_memory_bytes": (
-                where.gpu_mb * 2**20 if where.gpu_mb is not None else None
-            ),
-            "orchestrator_rank_gpu_utilization_ratio": (
-                where.gpu_busy / 100 if where.gpu_busy is not None else None
-            ),
-        }
+        return values(
+            step=where.steps,
+            last_step_at=newest[1] if newest is not None else None,
+            step_s=newest[2] if newest is not None else None,
+            samples_per_s=self._samples.of(where.reported_at, where.samples_total),
+            cpu=where.process_cpu,
+            rss_mb=where.rss_mb,
+            gpu_mb=where.gpu_mb,
+            gpu_busy=where.gpu_busy,
+        )
+
+
+def values(
+    *,
+    step: int,
+    last_step_at: float | None,
+    step_s: float | None,
+    samples_per_s: float | None,
+    cpu: float,
+    rss_mb: float,
+    gpu_mb: float | None,
+    gpu_busy: float | None,
+) -> dict[str, float | None]:
+    """A rank's figures as the metrics of HELP, in base units (None: not known, so no
+    sample); the page's `/metrics` serves the same (orchestrator/observe/exposition.py)."""
+    return {
+        "orchestrator_rank_step": float(step) if last_step_at is not None else None,
+        "orchestrator_rank_step_seconds": step_s,
+        "orchestrator_rank_last_step_timestamp_seconds": last_step_at,
+        "orchestrator_rank_samples_per_second": samples_per_s,
+        "orchestrator_rank_cpu_cores": cpu,
+        "orchestrator_rank_memory_bytes": rss_mb * 2**20,
+        "orchestrator_rank_gpu_memory_bytes": gpu_mb * 2**20 if gpu_mb is not None else None,
+        "orchestrator_rank_gpu_utilization_ratio": gpu_busy / 100 if gpu_busy is not None else None,
+    }

@@ -99,7 +99,8 @@ class Sampler:
         now = time.time()
         with self._writing:
             self._key, self._since, self._frames, self._collective = None, now, (), ""
-            self._call, self._metrics.job = call, job
+            self._call = call
+            self._metrics.begin(job)
             self._recorded, self._device = ("", 0.0), device
             self._place, self._function, self._phase = str(UNSEEN), "", COMPUTE
             self._clock, self._cpu = probes.cpu_clock(), 0.0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from orchestrator.observe.figures import Figures
 from orchestrator.observe.reading import RankFigures
-from orchestrator_workers.raymetrics import HELP
+from orchestrator_workers.raymetrics import HELP, values
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """Prometheus's text format, as its scrapers ask for it."""
@@ -28,29 +28,27 @@ class Gauge:
     value: Callable[[RankFigures], float | None]
 
 
-def _figure(name: str, read: Callable[[Figures], float | None]) -> Gauge:
-    """A gauge of a figure the ranks also record in Ray's metrics: its name and help theirs."""
-    return Gauge(name, HELP[name], lambda rank: read(rank.figures))
+def _figure(name: str) -> Gauge:
+    """A gauge of a figure the ranks also record in Ray's metrics: named, said and
+    converted as theirs are (raymetrics.values)."""
+    return Gauge(name, HELP[name], lambda rank: _values(rank.figures)[name])
+
+
+def _values(figures: Figures) -> dict[str, float | None]:
+    return values(
+        step=figures.step,
+        last_step_at=figures.last_step_at,
+        step_s=figures.step_s,
+        samples_per_s=figures.samples_per_s,
+        cpu=figures.cpu,
+        rss_mb=figures.rss_mb,
+        gpu_mb=figures.gpu_mb,
+        gpu_busy=figures.gpu_busy,
+    )
 
 
 GAUGES = (
-    _figure(
-        "orchestrator_rank_step",
-        lambda f: float(f.step) if f.last_step_at is not None else None,
-    ),
-    _figure("orchestrator_rank_step_seconds", lambda f: f.step_s),
-    _figure("orchestrator_rank_last_step_timestamp_seconds", lambda f: f.last_step_at),
-    _figure("orchestrator_rank_samples_per_second", lambda f: f.samples_per_s),
-    _figure("orchestrator_rank_cpu_cores", lambda f: f.cpu),
-    _figure("orchestrator_rank_memory_bytes", lambda f: f.rss_mb * 2**20),
-    _figure(
-        "orchestrator_rank_gpu_memory_bytes",
-        lambda f: f.gpu_mb * 2**20 if f.gpu_mb is not None else None,
-    ),
-    _figure(
-        "orchestrator_rank_gpu_utilization_ratio",
-        lambda f: f.gpu_busy / 100 if f.gpu_busy is not None else None,
-    ),
+    *(_figure(name) for name in HELP),
     Gauge(
         "orchestrator_rank_read_timestamp_seconds",
         "When the rank wrote these figures (Unix time).",
