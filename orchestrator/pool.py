@@ -110,7 +110,7 @@ class Pool:
 
     def _place(self, timeout: float | None, lost: frozenset[str] = frozenset()) -> None:
         """Wait until the placement group is placed (see reserve.wait)."""
-        lost_ranks = [r for r, info in enumerate(self.infos) if info.node_id in lost]
+        held = {node: [r for r, i in enumerate(self.infos) if i.node_id == node] for node in lost}
         reserve.wait(
             self.pg,
             self.request,
@@ -119,8 +119,7 @@ class Pool:
             stop=self._stop,
             on_phase=self._on_phase,
             one_node=self._simulated,
-            lost_ranks=lost_ranks,
-            lost=lost,
+            lost=held,
         )
 
     def _wait(self, refs: list[ray.ObjectRef]) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 import ray
@@ -65,17 +65,18 @@ def wait(
     stop: threading.Event,
     on_phase: Callable[[State, str | None], None],
     one_node: bool,
-    lost_ranks: Collection[int] = (),
-    lost: frozenset[str] = frozenset(),
+    lost: Mapping[str, Collection[int]] | None = None,
 ) -> None:
-    """Wait until `pg` is placed; with `lost` nodes (those of `lost_ranks`), until Ray has
-    placed their bundles again, on other nodes.
+    """Wait until `pg` is placed; with `lost` nodes (each with the ranks it held), until
+    Ray has placed their bundles again, on other nodes.
 
     Says what it waits for (`on_phase("pending", what)`, and on the console after a
     moment), then `on_phase("starting", None)`. A set `stop` ends the wait with
     StopRequested; `timeout` (seconds) with PlacementTimeoutError; nodes that can no
     longer hold `request` with PlacementError.
     """
+    lost = lost or {}
+    lost_ranks = sorted(rank for ranks in lost.values() for rank in ranks)
     ready = None if lost else pg.ready()
     started = time.monotonic()
     announced = False
@@ -83,7 +84,7 @@ def wait(
     needs = request.describe()
     if lost:
         needs = f"{len(lost)} node(s) x {{{text.format_resources(request.bundle())}}}"
-    while not _placed(pg, ready, lost, stop):
+    while not _placed(pg, ready, frozenset(lost), stop):
         waited = time.monotonic() - started
         free = text.format_resources(ray.available_resources())
         waiting_for = f"waiting for {needs}; free now: {{{free}}}"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from orchestrator.diagnose.stall import StallReport
 from orchestrator.diagnose.stopped import Stopped
 from orchestrator.diagnose.straggle import Straggler
-from orchestrator.observe.figures import Figures
+from orchestrator_workers.figures import Figures
 from orchestrator_workers.states import State
 
 if TYPE_CHECKING:

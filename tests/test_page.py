@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.job import Job, JobControl
 from orchestrator.observe import exposition
-from orchestrator.observe.figures import Figures
 from orchestrator.observe.page import POLICY, Page
 from orchestrator.observe.reading import RankFigures, Reader
+from orchestrator_workers.figures import Figures
 
 HOSTILE = '<img src=x onerror=alert(1)>"\\\n'
 

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from orchestrator_workers.figures import Figures, from_record
 from orchestrator_workers.progress import SamplesRate
 from orchestrator_workers.where import Where
 
@@ -111,39 +112,23 @@ class RayMetrics:
         return self._gauges
 
     def _values(self, where: Where) -> dict[str, float | None]:
-        newest = where.recent_steps[-1] if where.recent_steps else None
-        return values(
-            step=where.steps,
-            last_step_at=newest[1] if newest is not None else None,
-            step_s=newest[2] if newest is not None else None,
-            samples_per_s=self._samples.of(where.reported_at, where.samples_total),
-            cpu=where.process_cpu,
-            rss_mb=where.rss_mb,
-            gpu_mb=where.gpu_mb,
-            gpu_busy=where.gpu_busy,
-        )
+        rate = self._samples.of(where.reported_at, where.samples_total)
+        return values(from_record(where, time.time(), rate))
 
 
-def values(
-    *,
-    step: int,
-    last_step_at: float | None,
-    step_s: float | None,
-    samples_per_s: float | None,
-    cpu: float,
-    rss_mb: float,
-    gpu_mb: float | None,
-    gpu_busy: float | None,
-) -> dict[str, float | None]:
+def values(figures: Figures) -> dict[str, float | None]:
     """A rank's figures as the metrics of HELP, in base units (None: not known, so no
     sample); the page's `/metrics` serves the same (orchestrator/observe/exposition.py)."""
+    gpu_mb, gpu_busy = figures.gpu_mb, figures.gpu_busy
     return {
-        "orchestrator_rank_step": float(step) if last_step_at is not None else None,
-        "orchestrator_rank_step_seconds": step_s,
-        "orchestrator_rank_last_step_timestamp_seconds": last_step_at,
-        "orchestrator_rank_samples_per_second": samples_per_s,
-        "orchestrator_rank_cpu_cores": cpu,
-        "orchestrator_rank_memory_bytes": rss_mb * 2**20,
+        "orchestrator_rank_step": (
+            float(figures.step) if figures.last_step_at is not None else None
+        ),
+        "orchestrator_rank_step_seconds": figures.step_s,
+        "orchestrator_rank_last_step_timestamp_seconds": figures.last_step_at,
+        "orchestrator_rank_samples_per_second": figures.samples_per_s,
+        "orchestrator_rank_cpu_cores": figures.cpu,
+        "orchestrator_rank_memory_bytes": figures.rss_mb * 2**20,
         "orchestrator_rank_gpu_memory_bytes": gpu_mb * 2**20 if gpu_mb is not None else None,
         "orchestrator_rank_gpu_utilization_ratio": gpu_busy / 100 if gpu_busy is not None else None,
     }

@@ -10,7 +10,6 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from orchestrator.observe.figures import Figures
 from orchestrator.observe.reading import RankFigures
 from orchestrator_workers.raymetrics import HELP, values
 
@@ -31,20 +30,7 @@ class Gauge:
 def _figure(name: str) -> Gauge:
     """A gauge of a figure the ranks also record in Ray's metrics: named, said and
     converted as theirs are (raymetrics.values)."""
-    return Gauge(name, HELP[name], lambda rank: _values(rank.figures)[name])
-
-
-def _values(figures: Figures) -> dict[str, float | None]:
-    return values(
-        step=figures.step,
-        last_step_at=figures.last_step_at,
-        step_s=figures.step_s,
-        samples_per_s=figures.samples_per_s,
-        cpu=figures.cpu,
-        rss_mb=figures.rss_mb,
-        gpu_mb=figures.gpu_mb,
-        gpu_busy=figures.gpu_busy,
-    )
+    return Gauge(name, HELP[name], lambda rank: values(rank.figures)[name])
 
 
 GAUGES = (

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.job import Job, JobControl
-from orchestrator.observe.figures import Figures
 from orchestrator.observe.series import JobMetrics
+from orchestrator_workers.figures import Figures
 
 if TYPE_CHECKING:
     from orchestrator.call import Call

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from orchestrator.observe.figures import Figures, from_record
 from orchestrator.observe.ring import Column, Ring
+from orchestrator_workers.figures import Figures, from_record
 from orchestrator_workers.progress import SamplesRate
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ class _Process:
         rate = self.samples.of(where.reported_at, where.samples_total)
         figures = from_record(where, at, rate)
         self.latest = figures
-        self.detail.add(figures.row(at))
+        self.detail.add(_detail(figures, at))
         self._minute(at).sample(figures)
         for name, value in (where.scalars or {}).items():
             scalar = self.scalars.get(name)
@@ -258,6 +258,24 @@ class _Minute:
             self.gpu_mb,
             self.busy / self.busy_n if self.busy_n else math.nan,
         )
+
+
+def _detail(figures: Figures, at: float) -> tuple[float, ...]:
+    """`figures` as a row of DETAIL_COLUMNS (NaN: not known)."""
+    return (
+        at,
+        float(figures.step),
+        _nan(figures.step_s),
+        _nan(figures.samples_per_s),
+        figures.cpu,
+        figures.rss_mb,
+        _nan(figures.gpu_mb),
+        _nan(figures.gpu_busy),
+    )
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
 
 
 def _max(kept: float, value: float | None) -> float:

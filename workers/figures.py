@@ -1,9 +1,12 @@
-"""One rank's figures as last read: its step, how long the step took, samples per second,
-CPU, memory, GPU and what its function reported; numbers, not words."""
+"""One rank's figures at one reading: its step, how long the step took, samples per second,
+CPU, memory, GPU and what its function reported; numbers, not words.
+
+Read from its record (`where.Where`) by the rank itself for Ray's metrics (`raymetrics`)
+and by the driver for the job's numbers over time, its page and its `/metrics`: one
+reading of a record, for both."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,19 +39,6 @@ class Figures:
     scalars: Mapping[str, float] = field(default_factory=dict)
     """What its function reported last (`orchestrator.report`)."""
 
-    def row(self, at: float) -> tuple[float, ...]:
-        """As a row of series.DETAIL_COLUMNS (NaN: not known)."""
-        return (
-            at,
-            float(self.step),
-            _nan(self.step_s),
-            _nan(self.samples_per_s),
-            self.cpu,
-            self.rss_mb,
-            _nan(self.gpu_mb),
-            _nan(self.gpu_busy),
-        )
-
     def use(self) -> str:
         """What the process uses: '1.0 cores, 0.3 GB, GPU 3.1 GB 87% busy'."""
         text = f"{self.cpu:.1f} cores, {self.rss_mb / 1024:.1f} GB"
@@ -73,7 +63,3 @@ def from_record(where: Where, at: float, samples_per_s: float | None = None) -> 
         gpu_busy=where.gpu_busy,
         scalars=dict(where.scalars or {}),
     )
-
-
-def _nan(value: float | None) -> float:
-    return math.nan if value is None else float(value)
