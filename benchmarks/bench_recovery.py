@@ -4,7 +4,7 @@ page cache dropped before the reload), and torchrun --max-restarts=1 with that d
 checkpoint.
 
     python -m benchmarks.bench_recovery [--repeats 3] [--overhead-repeats 7] [--quick]
-        [--modes memory,dcp,disk,torchrun] [--sizes 4x1024,16x100]
+        [--modes memory,spare,dcp,disk,torchrun] [--sizes 4x1024,16x100,4x256]
 
 Recovery: gloo on CPU, Adam on one flat parameter (params + moments = the state size),
 a snapshot or checkpoint every K=5 steps; on attempt 0 one rank (on the second node)
@@ -12,6 +12,10 @@ SIGKILLs itself at step 12, so the newest snapshot is step 9's and 2 steps are r
 distribute() runs on simulated nodes (ray.cluster_utils.Cluster); torchrun on this
 machine alone (it has no nodes to lose). Reported: from the kill to every rank's first
 completed step after recovery, median of --repeats, and where that time goes.
+
+Each of ours runs on a warm pool (a first call of one step) that keeps no warm spare, but
+"spare": (a) with one warm spare a node (orchestrator.standby), ready before the kill, so
+the killed rank is replaced by a process that has imported torch; the others by a new one.
 
 (a') is (a) through torch.distributed.checkpoint: dcp.save with snapshot.writer, dcp.load
 with snapshot.reader (what an FSDP2 loop uses), on the same flat state.
@@ -31,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,14 +43,15 @@ import ray
 from ray.cluster_utils import Cluster
 
 from benchmarks._recovery_job import train
-from orchestrator import distribute
+from orchestrator import distribute, testing
 
 ROOT = Path(__file__).resolve().parent.parent
 EVERY, KILL_STEP = 5, 12
-CONFIGS = {"4x1024": (4, 2, 1024), "16x100": (16, 4, 100)}
+CONFIGS = {"4x1024": (4, 2, 1024), "16x100": (16, 4, 100), "4x256": (4, 2, 256)}
 """By name: (ranks, nodes, state MB per rank)."""
 LABELS = {
     "memory": "(a) in-memory snapshot",
+    "spare": "(a) + a warm spare a node",
     "dcp": "(a') the same, through dcp",
     "disk": "(b) distribute + disk checkpoint",
     "torchrun": "(c) torchrun + disk checkpoint",
@@ -68,19 +74,28 @@ def cluster(nodes: int, cpus: int) -> Iterator[None]:
 
 
 def ours(out: Path, ranks: int, nodes: int, mb: int, mode: str) -> dict[str, float]:
-    """One kill and recovery through distribute(max_restarts=1)."""
+    """One kill and recovery through distribute(max_restarts=1), on a warm pool (mode
+    "spare": one whose warm spares are ready; the others keep none)."""
     fn = distribute(
         train,
         num_replicas=ranks,
         replicas_per_node=ranks // nodes,
         gpus_per_replica=0,
         max_restarts=1,
+        spares_per_node=1 if mode == "spare" else 0,
         log_dir=False,
         log_ranks=[],
         name=f"recover-{mode}",
     )
+    kept = "memory" if mode == "spare" else mode
     with fn:
-        fn(str(out), mb, KILL_STEP + 3, EVERY, mode, KILL_STEP, ranks // nodes)
+        warm = out / "warm"
+        warm.mkdir()
+        fn(str(warm), 1, 1, EVERY, "none", -1, -1)
+        pool = testing.pool(fn)
+        while pool is not None and len(pool.standby.pids()) < pool.standby.per_node * nodes:
+            time.sleep(0.1)
+        fn(str(out), mb, KILL_STEP + 3, EVERY, kept, KILL_STEP, ranks // nodes)
     return _timings(out)
 
 
@@ -191,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                         {k: _median([r[k] for r in runs[mode]]) for k in keys},
                     )
                 )
-        kept = ["none", *ours_modes]
+        kept = ["none", *(m for m in ours_modes if m != "spare")]  # a spare costs no step
         rates: dict[str, list[float]] = {mode: [] for mode in kept}
         steps = 20 if args.quick else 100
         with cluster(2, 2):

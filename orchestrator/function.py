@@ -207,6 +207,7 @@ def distribute(
     queue: bool = True,
     max_restarts: int = 0,
     restart_on: str = "any",
+    spares_per_node: int | None = None,
     detach: bool = False,
     idle_timeout: float = 600.0,
     retention: float = RETENTION_S,
@@ -231,7 +232,10 @@ def distribute(
     the previous one runs raises BusyError instead of waiting for it. `max_restarts=N`
     restarts every rank on a fresh pool after a failure (`restart_on="crash"`: only when
     a rank's process died or its node was lost), up to N times per call; each rank
-    reads the attempt number from RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT).
+    reads the attempt number from RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT). A failed
+    rank is replaced by one of `spares_per_node` warm processes kept on its node (torch
+    imported, no resources reserved, about 250 MB of host memory each; None: 1 where
+    max_restarts > 0, else 0), not a cold start.
     `detach=True` supervises each call in the cluster: it runs on when this process exits
     or dies, and `orchestrator.get_job(job.id)` gets it back from any process; its warm
     ranks wait `idle_timeout` seconds for the next call, which a later driver asking for the

@@ -84,6 +84,9 @@ class Options:
     """After a failed attempt, restart every rank on a fresh pool up to this many times."""
     restart_on: str = "any"
     """"any" failure, or only a "crash" (a rank's process died or its node was lost)."""
+    spares_per_node: int | None = None
+    """Warm spares kept on each node to replace a failed rank (orchestrator.standby); None:
+    1 where max_restarts > 0, else 0."""
     detach: bool = False
     """Calls are supervised in the cluster and outlive this process (supervise.detached)."""
     idle_timeout: float = 600.0
@@ -92,6 +95,13 @@ class Options:
     retention: float = RETENTION_S
     """Detached only: seconds each job's result and output are kept after it ends, unless
     `job.release()` lets them go sooner (math.inf: until then)."""
+
+    @property
+    def spares(self) -> int:
+        """`spares_per_node`, its default resolved."""
+        if self.spares_per_node is not None:
+            return self.spares_per_node
+        return 1 if self.max_restarts > 0 else 0
 
     @property
     def job_name(self) -> str:
@@ -214,6 +224,12 @@ class Options:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             problems.append(
                 f"max_restarts={self.max_restarts!r}: must be an int >= 0 (0: fail fast)"
+            )
+        spares = self.spares_per_node
+        if spares is not None and (not _is_int(spares) or spares < 0):
+            problems.append(
+                f"spares_per_node={spares!r}: must be an int >= 0 (0: none), or None "
+                "(1 where max_restarts > 0)"
             )
         if not (_is_number(self.idle_timeout) and self.idle_timeout > 0):
             problems.append(f"idle_timeout={self.idle_timeout!r}: must be a number of seconds > 0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 import threading
@@ -20,8 +21,11 @@ from orchestrator.channel import RankChannel, rank_stacks
 from orchestrator.connect import cluster, local, rankside
 from orchestrator.dispatch import Routes
 from orchestrator.errors import StopRequested, describe_rank
+from orchestrator.options import Options
 from orchestrator.placement import Request
+from orchestrator.reserve import Plan
 from orchestrator.show import notices
+from orchestrator.standby import Standby
 from orchestrator_workers import environment
 from orchestrator_workers.environment import order_devices
 from orchestrator_workers.protocol import NodeInfo, RankSpec, unwire
@@ -54,23 +58,21 @@ class Pool:
     def __init__(
         self,
         name: str,
-        request: Request,
+        plan: Plan,
+        options: Options,
         *,
-        simulate_nodes: bool,
-        env: Mapping[str, str],
-        runtime_env: Mapping[str, Any] | None,
-        post_mortem: bool = False,
         preload_torch: bool = True,
-        placement_timeout: float | None = None,
         stop: threading.Event | None = None,
         on_phase: Callable[[State, str | None], None] | None = None,
     ) -> None:
-        """Reserve one bundle per node, start one actor per rank and learn where they are.
+        """Reserve one bundle per node as `plan` says, start one actor per rank as
+        `options` say and learn where they are; then its warm spares (see standby).
 
         While the placement group waits for resources, `on_phase("pending", what)` is
         called; then `on_phase("starting", None)`. A set `stop` ends any wait with
-        StopRequested; `placement_timeout` (seconds) with a PlacementTimeoutError.
+        StopRequested; `options.placement_timeout` (seconds) with a PlacementTimeoutError.
         """
+        request, simulate_nodes = plan
         self.name = name
         self.request = request
         self.session = cluster.session()
@@ -92,7 +94,9 @@ class Pool:
         self._closing = threading.Lock()
         self._closed = False
         self._simulated = simulate_nodes
-        self._placement_timeout = placement_timeout
+        self._placement_timeout = options.placement_timeout
+        self.standby = Standby(options.spares, self._spare)
+        """Its warm spares, which replace failed ranks on their node."""
         # GPU ranks load torch at once: the first call binds each to its GPU.
         self._preload_torch = preload_torch or request.gpus_per_replica > 0
         self.id = uuid.uuid4().hex[:8]
@@ -102,8 +106,8 @@ class Pool:
             name=f"{name}-{self.id}",
         )
         try:
-            self._place(placement_timeout)
-            self._start(env, runtime_env, post_mortem)
+            self._place(self._placement_timeout)
+            self._start(options)
         except BaseException:
             self.shutdown()
             raise
@@ -135,10 +139,8 @@ class Pool:
             pass
         return ray.get(refs)
 
-    def _start(
-        self, env: Mapping[str, str], runtime_env: Mapping[str, Any] | None, post_mortem: bool
-    ) -> None:
-        request = self.request
+    def _start(self, options: Options) -> None:
+        request, runtime_env = self.request, options.runtime_env
         bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
         bundles = placement.order_bundles(bundle_nodes, cluster.driver_node())
         self._slots = placement.layout(request.num_replicas, request.replicas_per_node)
@@ -149,7 +151,8 @@ class Pool:
             if runtime_env
             else None
         )
-        self._env, self._runtime_env, self._post_mortem = env, uploaded, post_mortem
+        self._env = environment.user_env(options.env or {}, runtime_env)
+        self._runtime_env, self._post_mortem = uploaded, options.post_mortem
         runtime = local.broker()
         # On the local runtime ranks run in the driver's folder, as on the embedded instance.
         self._workdir = local.driver_paths().cwd if runtime is not None else None
@@ -170,6 +173,7 @@ class Pool:
         notices.note_niceness(self.name, self.infos)
         self.store_port = self._open_store()
         self._respec()
+        self.standby.fill(self._bundles)
 
     def _spares(
         self, runtime: Any, bundle_nodes: Mapping[int, str], ranks: Collection[int] | None = None
@@ -188,18 +192,23 @@ class Pool:
         return local.spares_for(runtime, self.name, self.id, by_node)
 
     def _new_actor(self, rank: int, attempt: int = 0) -> Any:
-        per_replica = self.request.per_replica()
-        strategy = PlacementGroupSchedulingStrategy(
-            self.pg, placement_group_bundle_index=self._bundles[rank]
-        )
-        remote, carry = rankside.rank_actor(self._bundle_nodes[self._bundles[rank]])
+        name = actor_name(self.name, self.id, rank, attempt)
+        return self._actor(self._bundles[rank], name, rank, self.request.per_replica())
+
+    def _spare(self, bundle: int, serial: int) -> Any:
+        """A warm spare in `bundle`: a rank's actor that reserves nothing (see standby)."""
+        return self._actor(bundle, f"{self.name}-{self.id}-spare{serial}", -1, {})
+
+    def _actor(self, bundle: int, name: str, rank: int, reserved: Mapping[str, float]) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+        remote, carry = rankside.rank_actor(self._bundle_nodes[bundle])
         return remote.options(
-            num_cpus=per_replica.get("CPU", 0),
-            num_gpus=per_replica.get("GPU", 0),
-            resources={k: v for k, v in per_replica.items() if k not in ("CPU", "GPU")},
+            num_cpus=reserved.get("CPU", 0),
+            num_gpus=reserved.get("GPU", 0),
+            resources={k: v for k, v in reserved.items() if k not in ("CPU", "GPU")},
             scheduling_strategy=strategy,
             runtime_env=self._runtime_env,
-            name=actor_name(self.name, self.id, rank, attempt),
+            name=name,
             namespace=ACTOR_NAMESPACE,
         ).remote(*carry, self.name, rank, dict(self._env), preload_torch=self._preload_torch)
 
@@ -240,20 +249,28 @@ class Pool:
         if len(ranks) == len(self.actors) or (lost and self._simulated):
             return None
         runtime = local.broker()  # its warm processes take the place of the ranks lost
+        moved = {self._bundles[r] for r, info in enumerate(self.infos) if info.node_id in lost}
         if lost:
+            self.standby.forget(moved)  # gone with their node
             self._place(self._placement_timeout, lost)
             self._bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
             if runtime is None:
-                moved = {self._bundle_nodes[self._bundles[rank]] for rank in ranks}
-                rankside.check_nodes(moved, self.name)
-        spares = self._spares(runtime, self._bundle_nodes, ranks) if runtime is not None else {}
+                rankside.check_nodes({self._bundle_nodes[b] for b in moved}, self.name)
+        standby = {r: self.standby.take(self._bundles[r]) for r in ranks if r not in moved}
+        rest = {rank for rank in ranks if not standby.get(rank)}
+        spares = self._spares(runtime, self._bundle_nodes, rest) if runtime is not None else {}
         for rank in ranks:
             ray.kill(self.actors[rank], no_restart=True)
-            spare = spares.get(rank)
+            spare = standby.get(rank) or spares.get(rank)
             self.actors[rank] = spare[0] if spare else self._new_actor(rank, attempt)
+            if standby.get(rank):
+                self.actors[rank].serve_as.remote(self.name, rank)
             self.channels[rank] = RankChannel(self.actors[rank])  # its numbering starts anew
         for rank, info in zip(sorted(ranks), self._infos(sorted(ranks)), strict=True):
-            self.infos[rank] = info
+            old = self.infos[rank]  # a rank replaced on its node keeps its GPUs (standby)
+            same = info.node_id == old.node_id
+            self.infos[rank] = dataclasses.replace(info, gpu_ids=old.gpu_ids) if same else info
+        self.standby.fill({self._bundles[rank] for rank in ranks})
         self.store_port = self._open_store()  # the failed call's store holds stale keys
         self._respec()
         return ranks
@@ -303,6 +320,7 @@ class Pool:
             if self._closed:
                 return
             self._closed = True
+        self.standby.close()  # first: none starts in a removed placement group
         try:
             remove_placement_group(self.pg)  # first: it takes its actors with it
         finally:

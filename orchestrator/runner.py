@@ -29,7 +29,6 @@ from orchestrator.reserve import Plan
 from orchestrator.shipping import Shipment
 from orchestrator.show import messages
 from orchestrator.show.logs import Journaling
-from orchestrator_workers import environment
 from orchestrator_workers.states import State
 
 
@@ -355,9 +354,6 @@ class Runner:
         return attempt.wait()
 
     def _start(self, control: JobControl, plan: Plan, uses_torch: bool) -> Pool:
-        request, simulate = plan
-        options = self.options
-
         def progress(phase: State, detail: str | None) -> None:
             if phase == State.PENDING:
                 _reclaim_idle(self.name)  # an idle warm pool of ours must not block a job
@@ -365,13 +361,9 @@ class Runner:
 
         return Pool(
             self.name,
-            request,
-            simulate_nodes=simulate,
-            env=environment.user_env(options.env or {}, options.runtime_env),
-            runtime_env=options.runtime_env,
-            post_mortem=options.post_mortem,
+            plan,
+            self.options,
             preload_torch=uses_torch,
-            placement_timeout=options.placement_timeout,
             stop=control.stop,
             on_phase=progress,
         )

@@ -186,6 +186,8 @@ _LOCKED_HOOK = _locked_hook()
         ({"num_replicas": 2, "timeout": float("inf")}, "timeout=inf"),
         ({"num_replicas": 2, "stall_after": 0}, "stall_after=0: must be a number of seconds"),
         ({"num_replicas": 2, "on_stall": "kill"}, "on_stall='kill': must be 'report'"),
+        ({"num_replicas": 2, "spares_per_node": -1}, "spares_per_node=-1: must be an int >= 0"),
+        ({"num_replicas": 2, "spares_per_node": 1.5}, "spares_per_node=1.5: must be an int"),
         (
             {"num_replicas": 2, "detach": True, "retention": 0},
             "retention=0: must be a number of seconds > 0, or math.inf",

@@ -104,6 +104,11 @@ class RankActor:
         """Ray prefixes this actor's log lines with its repr."""
         return self._label
 
+    def serve_as(self, job_name: str, rank: int) -> None:
+        """Be `rank` of `job_name` from now on (a spare started ahead of need)."""
+        self._label = f"{job_name} r{rank}"
+        self._rank = rank
+
     def info(self) -> bytes:
         """Where this actor runs and what Ray gave it (a NodeInfo, wired: see
         `protocol.wire`), once torch is loaded if it is to be.

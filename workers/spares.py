@@ -77,8 +77,7 @@ class Spare(RankActor):
         (its script's folder and working directory; for a supervisor, those of the driver
         that submitted, recorded there), so its sibling modules import.
         """
-        self._label = f"{job_name} r{rank}"
-        self._rank = rank
+        self.serve_as(job_name, rank)
         sys.path[:0] = [path for path in paths if path not in sys.path]
         if owner_actor:
             owner_lives = functools.partial(_actor_lives, owner_actor)
