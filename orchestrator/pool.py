@@ -118,7 +118,7 @@ class Pool:
         reserve.wait(
             self.pg,
             self.request,
-            self.name,
+            name=self.name,
             timeout=timeout,
             stop=self._stop,
             on_phase=self._on_phase,

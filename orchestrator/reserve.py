@@ -59,8 +59,8 @@ def plan(options: Options) -> Plan:
 def wait(
     pg: PlacementGroup,
     request: Request,
-    name: str,
     *,
+    name: str,
     timeout: float | None,
     stop: threading.Event,
     on_phase: Callable[[State, str | None], None],
