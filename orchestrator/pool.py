@@ -34,6 +34,7 @@ from orchestrator_workers.states import State
 ACTOR_NAMESPACE = "orchestrator"
 """Ray namespace of every rank's actor, named `actor_name(...)`, so other drivers find them."""
 _ACTOR_NAME = re.compile(r"^(?P<job>.+)-(?P<pool>[0-9a-f]{8})-r(?P<rank>\d+)(?:\.\d+)?$")
+_SPARE_NAME = re.compile(r"^(?P<job>.+)-(?P<pool>[0-9a-f]{8})-spare\d+$")
 
 
 def actor_name(job_name: str, pool_id: str, rank: int, attempt: int = 0) -> str:
@@ -42,6 +43,18 @@ def actor_name(job_name: str, pool_id: str, rank: int, attempt: int = 0) -> str:
     A rank's actor replaced at restart N is NAME-ID-rRANK.N (names are freed lazily).
     """
     return f"{job_name}-{pool_id}-r{rank}" + (f".{attempt}" if attempt else "")
+
+
+def spare_name(job_name: str, pool_id: str, serial: int) -> str:
+    """The Ray actor name of pool `pool_id`'s warm spare number `serial` (see standby): it
+    keeps it when it serves a rank (ask it which: `serving`)."""
+    return f"{job_name}-{pool_id}-spare{serial}"
+
+
+def parse_spare_name(name: str) -> tuple[str, str] | None:
+    """(job name, pool id) of one of our spares' names; None for any other name."""
+    match = _SPARE_NAME.match(name)
+    return None if match is None else (match["job"], match["pool"])
 
 
 def parse_actor_name(name: str) -> tuple[str, str, int] | None:
@@ -66,7 +79,7 @@ class Pool:
         on_phase: Callable[[State, str | None], None] | None = None,
     ) -> None:
         """Reserve one bundle per node as `plan` says, start one actor per rank as
-        `options` say and learn where they are; then its warm spares (see standby).
+        `options` say and learn where they are (its warm spares: `keep_spares`).
 
         While the placement group waits for resources, `on_phase("pending", what)` is
         called; then `on_phase("starting", None)`. A set `stop` ends any wait with
@@ -95,7 +108,7 @@ class Pool:
         self._closed = False
         self._simulated = simulate_nodes
         self._placement_timeout = options.placement_timeout
-        self.standby = Standby(options.spares, self._spare)
+        self.standby = Standby(self._spare)
         """Its warm spares, which replace failed ranks on their node."""
         # GPU ranks load torch at once: the first call binds each to its GPU.
         self._preload_torch = preload_torch or request.gpus_per_replica > 0
@@ -173,7 +186,17 @@ class Pool:
         notices.note_niceness(self.name, self.infos)
         self.store_port = self._open_store()
         self._respec()
-        self.standby.fill(self._bundles)
+        self._local_runtime = runtime is not None
+
+    def keep_spares(self, options: Options) -> None:
+        """Keep as many warm spares a node as `options` say (a call's own: more where it
+        allows restarts); none by default where the local runtime's take failed ranks'
+        places. Never fewer than before."""
+        default = options.spares_per_node is None and self._local_runtime
+        wanted = 0 if default else options.spares
+        if wanted > self.standby.per_node:
+            self.standby.per_node = wanted
+            self.standby.fill(self._bundles)
 
     def _spares(
         self, runtime: Any, bundle_nodes: Mapping[int, str], ranks: Collection[int] | None = None
@@ -197,7 +220,7 @@ class Pool:
 
     def _spare(self, bundle: int, serial: int) -> Any:
         """A warm spare in `bundle`: a rank's actor that reserves nothing (see standby)."""
-        return self._actor(bundle, f"{self.name}-{self.id}-spare{serial}", -1, {})
+        return self._actor(bundle, spare_name(self.name, self.id, serial), -1, {})
 
     def _actor(self, bundle: int, name: str, rank: int, reserved: Mapping[str, float]) -> Any:
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
@@ -270,7 +293,7 @@ class Pool:
             old = self.infos[rank]  # a rank replaced on its node keeps its GPUs (standby)
             same = info.node_id == old.node_id
             self.infos[rank] = dataclasses.replace(info, gpu_ids=old.gpu_ids) if same else info
-        self.standby.fill({self._bundles[rank] for rank in ranks})
+        self.standby.fill(self._bundles)  # what the replaced ones took, a lost node's
         self.store_port = self._open_store()  # the failed call's store holds stale keys
         self._respec()
         return ranks

@@ -67,6 +67,12 @@ class _PoolBox:
         if pool is not None and ray.is_initialized():
             pool.shutdown()
 
+    def drop(self) -> None:
+        """Forget a pool whose actors ended with their Ray session (no spare starts)."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.standby.close(kill=False)
+
 
 class Runner:
     """Runs the jobs of the function named `name`, laid out as `options` say, in turn.
@@ -279,7 +285,7 @@ class Runner:
                 value = self._attempt(entry, plan, earlier, context)
             except BaseException as exc:  # noqa: BLE001 - every outcome settles the job
                 if cluster.lost_session(exc):  # its ranks ended with the session
-                    self._box.pool = None
+                    self._box.drop()
                     control.finish(error=cluster.session_lost_error(exc))
                     return
                 if isinstance(exc, StopRequested) or control.stop.is_set():
@@ -337,12 +343,13 @@ class Runner:
     ) -> list[Any]:
         control, shipped, options = entry.control, entry.shipped, entry.options
         if self.pool is not None and self.pool.session != cluster.session():
-            self._box.pool = None  # its actors ended with an earlier Ray Client session
+            self._box.drop()  # its actors ended with an earlier Ray Client session
         if self.pool is None:
             plan = plan or reserve.plan(options)
             self._box.pool = self._start(control, plan, shipped.uses_torch)
         pool = self.pool
         assert pool is not None
+        pool.keep_spares(options)
         first = not earlier  # a started call is so at its first attempt alone
         started = entry.started if first else None
         begin = self.hook.begin(pool, started, entry.lend if first else None, control.stop)

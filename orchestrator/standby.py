@@ -24,6 +24,8 @@ import ray
 
 from orchestrator_workers.protocol import NodeInfo, unwire
 
+ANSWER_S = 5.0
+"""How long a spare about to be taken has to answer (it is idle: in moments)."""
 START_AFTER_S = 3.0
 """Spares start this long after the pool's ranks (or after one was taken): the ranks'
 start and a recovery come first."""
@@ -51,22 +53,23 @@ class _Spare:
 class Standby:
     """One pool's spares, `per_node` in each of its bundles (see the module)."""
 
-    def __init__(self, per_node: int, make: Callable[[int, int], Any]) -> None:
-        """`make(bundle, serial)` starts a spare actor in `bundle` (see Pool)."""
-        self.per_node = per_node
+    def __init__(self, make: Callable[[int, int], Any]) -> None:
+        """None kept yet; `make(bundle, serial)` starts a spare actor in `bundle` (see Pool)."""
+        self.per_node = 0
         self._make = make
         self._spares: dict[int, list[_Spare]] = {}
         self._serial = 0
         self._closed = False
         self._lock = threading.Lock()
+        self._starting = threading.Lock()
+        """Held by the one start running (timers may overlap): none starts twice the same."""
         self._timers: list[threading.Timer] = []
 
     def fill(self, bundles: Iterable[int], after: float = START_AFTER_S) -> None:
         """Start the spares missing in `bundles`, `after` seconds from now."""
         if self.per_node <= 0:
             return
-        wanted = sorted(set(bundles))
-        timer = threading.Timer(after, self._start, args=(wanted,))
+        timer = threading.Timer(after, self._start, args=(sorted(set(bundles)),))
         timer.daemon = True
         with self._lock:
             if self._closed:
@@ -75,24 +78,31 @@ class Standby:
         timer.start()
 
     def take(self, bundle: int) -> tuple[Any, NodeInfo] | None:
-        """A ready spare of `bundle`, no longer kept (its actor and where it runs); None
-        where none is ready. Spares found dead are dropped."""
+        """A ready spare of `bundle` that answers now, no longer kept (its actor and where
+        it runs); None where none is. Spares found dead are dropped."""
         with self._lock:
             kept = self._spares.get(bundle, [])
-            for spare in list(kept):
-                answered, info = spare.answer()
-                if answered:
-                    kept.remove(spare)
-                if info is not None:
-                    return spare.actor, info
+            answers = [(spare, *spare.answer()) for spare in kept]
+            kept[:] = [spare for spare, answered, _ in answers if not answered]
+        ready = [(spare, info) for spare, _, info in answers if info is not None]
+        for n, (spare, info) in enumerate(ready):  # ready once, dead since? (memory monitor)
+            if _answers(spare.actor):
+                with self._lock:  # those not tried go back
+                    kept.extend(s for s, _ in ready[n + 1 :])
+                return spare.actor, info
+            ray.kill(spare.actor, no_restart=True)  # dead, or too slow to count on
         return None
 
     def forget(self, bundles: Iterable[int]) -> None:
-        """Drop the spares of `bundles` (their node was lost: they are gone with it)."""
+        """Drop the spares of `bundles` (their node was lost: they are gone with it), and
+        the starts not yet made (a bundle being placed again has no node yet)."""
         with self._lock:
-            for bundle in bundles:
-                for spare in self._spares.pop(bundle, []):
-                    ray.kill(spare.actor, no_restart=True)
+            timers, self._timers = self._timers, []
+            lost = [spare for bundle in bundles for spare in self._spares.pop(bundle, [])]
+        for timer in timers:
+            timer.cancel()
+        for spare in lost:
+            ray.kill(spare.actor, no_restart=True)
 
     def pids(self) -> dict[int, list[int]]:
         """The process ids of the ready spares, by bundle."""
@@ -101,8 +111,9 @@ class Standby:
         found = {b: [i.pid for s in kept if (i := s.answer()[1])] for b, kept in spares.items()}
         return {bundle: pids for bundle, pids in found.items() if pids}
 
-    def close(self) -> None:
-        """Kill every spare and start none again; safe twice."""
+    def close(self, *, kill: bool = True) -> None:
+        """Start none again, and kill every spare (`kill=False`: their session is gone,
+        and they with it); safe twice."""
         with self._lock:
             self._closed = True
             timers, self._timers = self._timers, []
@@ -110,13 +121,40 @@ class Standby:
             self._spares.clear()
         for timer in timers:
             timer.cancel()
-        for spare in spares:
+        for spare in spares if kill else ():
             ray.kill(spare.actor, no_restart=True)
 
     def _start(self, bundles: list[int]) -> None:
-        with self._lock:  # closing waits: no spare starts in a removed placement group
-            for bundle in bundles:
-                kept = self._spares.setdefault(bundle, [])
-                while not self._closed and len(kept) < self.per_node:
-                    self._serial += 1
-                    kept.append(_Spare(self._make(bundle, self._serial)))
+        with self._starting:
+            self._start_missing(bundles)
+
+    def _start_missing(self, bundles: list[int]) -> None:
+        with self._lock:
+            missing = [
+                bundle
+                for bundle in bundles
+                for _ in range(self.per_node - len(self._spares.get(bundle, [])))
+            ]
+        made = []
+        for bundle in missing:  # outside the lock: a start may wait for Ray
+            with self._lock:
+                if self._closed:
+                    break
+                self._serial += 1
+                serial = self._serial
+            made.append((bundle, _Spare(self._make(bundle, serial))))
+        with self._lock:
+            late = made if self._closed else []
+            for bundle, spare in made if not self._closed else ():
+                self._spares.setdefault(bundle, []).append(spare)
+        for _, spare in late:  # closed meanwhile: none outlives the pool
+            ray.kill(spare.actor, no_restart=True)
+
+
+def _answers(actor: Any) -> bool:
+    """Whether `actor` answers within ANSWER_S (a spare ready once may have died since)."""
+    try:
+        ray.get(actor.serving.remote(), timeout=ANSWER_S)
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+    return True

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
 import linecache
 import os
 import pickle
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -28,6 +25,7 @@ from orchestrator_workers import (
     sharing,
     snapshot,
     stacks,
+    torchgroup,
 )
 from orchestrator_workers.capture import Capture
 from orchestrator_workers.protocol import (
@@ -94,7 +92,7 @@ class RankActor:
         self._importing: threading.Thread | None = None
         if preload_torch:
             self._importing = threading.Thread(
-                target=_import_torch, name="import torch", daemon=True
+                target=torchgroup.import_torch, name="import torch", daemon=True
             )
             self._importing.start()
         sharing.remove("", older_than=sharing.STALE_S)  # what killed ranks may have left here
@@ -108,6 +106,11 @@ class RankActor:
         """Be `rank` of `job_name` from now on (a spare started ahead of need)."""
         self._label = f"{job_name} r{rank}"
         self._rank = rank
+
+    @ray.method(concurrency_group="control")
+    def serving(self) -> int:
+        """The rank this actor serves (-1: a spare not yet taken); answered while a call runs."""
+        return self._rank
 
     def info(self) -> bytes:
         """Where this actor runs and what Ray gave it (a NodeInfo, wired: see
@@ -296,13 +299,13 @@ class RankActor:
                 sampler.end()
             if spec.post_mortem and exc.__traceback__ is not None:
                 debugger.post_mortem(exc.__traceback__)
-            _destroy_process_group()
+            torchgroup.leave()
             self._unblock()  # what gloo keeps open: peers waiting on this rank fail now
             failure = self._failure(exc, when, setup=False)
             return elastic.reported(failure, error_file, started, type(exc).__name__)
         if sampler is not None:
             sampler.end()
-        _destroy_process_group()
+        torchgroup.leave()
         next_port, store_open = None, False
         if spec.rank == 0:
             # Peers may still use a store they connected to: the driver closes it once all
@@ -360,39 +363,3 @@ def _for_call(base: RankSpec, call: CallSpec, *, share_key: str) -> RankSpec:
     ):
         object.__setattr__(spec, name, value)  # frozen: the copy is ours alone
     return spec
-
-
-def _import_torch() -> None:
-    """Import torch.distributed ahead of need (CUDA is not initialized by the import).
-
-    Before any call runs (the pool's start waits for it): without garbage collections,
-    which cost ~15% of its CPU and find little (~7,000 objects, under a megabyte, that
-    now stay); then what it made is kept out of every later collection (`gc.freeze`:
-    torch's objects live as long as the rank), so the user's function pays for its own
-    objects only, and the data loader workers it forks do not copy the pages that
-    collections would touch.
-    """
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with contextlib.suppress(BaseException):  # the first call imports it again, reports
-            import torch.distributed  # noqa: F401
-    finally:
-        gc.freeze()
-        if collecting:
-            gc.enable()
-
-
-def _destroy_process_group() -> None:
-    """Leave no process group behind, so that the next call's init matches its peers'."""
-    snapshot.leave()
-    if "torch.distributed" not in sys.modules:
-        return  # never imported: no group to leave (and no torch to load for nothing)
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):  # a broken group is discarded either way
-            dist.destroy_process_group()
-    _compat.reset_group_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -15,11 +16,14 @@ from orchestrator.connect import cluster, local, probe
 from orchestrator.connect.discovery import cluster_address
 from orchestrator.diagnose import stall
 from orchestrator.errors import LaunchError
-from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name
+from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name, parse_spare_name
 from orchestrator.show import messages
 from orchestrator.show.summary import group_stacks, stacks_title
 from orchestrator.show.text import format_size
 from orchestrator_workers.protocol import unwire
+
+_ASK_SPARE_S = 5.0
+"""How long a warm spare may take to say which rank it serves (it answers while a call runs)."""
 
 
 def connect_existing(address: str | None) -> None:
@@ -83,14 +87,34 @@ def nodes(address: str | None) -> int:
 def running_jobs() -> dict[tuple[str, str], dict[int, str]]:
     """Ranks' actor names of every running job, by (job name, pool id), then by rank."""
     jobs: dict[tuple[str, str], dict[int, str]] = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        parsed = parse_actor_name(entry["name"]) if entry["namespace"] == ACTOR_NAMESPACE else None
+    listed = ray.util.list_named_actors(all_namespaces=True)
+    ours = [entry["name"] for entry in listed if entry["namespace"] == ACTOR_NAMESPACE]
+    for name in ours:
+        parsed = parse_actor_name(name)
         if parsed is not None:
             job, pool_id, rank = parsed
-            jobs.setdefault((job, pool_id), {})[rank] = entry["name"]
+            jobs.setdefault((job, pool_id), {})[rank] = name
+    for (job, pool_id), rank, name in _serving_spares(ours):  # ranks a pool's spare took
+        jobs.setdefault((job, pool_id), {})[rank] = name
     for claim in local.claims():  # ranks running in the local runtime's spares
         jobs.setdefault((claim.job_name, claim.pool_id), {})[claim.rank] = claim.actor_name
     return jobs
+
+
+def _serving_spares(names: list[str]) -> list[tuple[tuple[str, str], int, str]]:
+    """Of the actor names given, the warm spares that serve a rank: (job, pool), rank, name."""
+    spares = {name: parsed for name in names if (parsed := parse_spare_name(name))}
+    asked = {}
+    for name in spares:
+        with contextlib.suppress(ValueError):  # gone since listed
+            asked[name] = ray.get_actor(name, namespace=ACTOR_NAMESPACE).serving.remote()
+    found = []
+    for name, ref in asked.items():
+        with contextlib.suppress(RayError):
+            rank = ray.get(ref, timeout=_ASK_SPARE_S)
+            if rank >= 0:
+                found.append((spares[name], rank, name))
+    return found
 
 
 def stacks(name: str, address: str | None, wait_s: float = 10.0) -> int:
