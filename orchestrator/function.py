@@ -207,6 +207,8 @@ def distribute(
     queue: bool = True,
     max_restarts: int = 0,
     restart_on: str = "any",
+    min_replicas: int | None = None,
+    shrink_after: float = 10.0,
     spares_per_node: int | None = None,
     detach: bool = False,
     idle_timeout: float = 600.0,
@@ -235,7 +237,9 @@ def distribute(
     reads the attempt number from RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT). A failed
     rank is replaced by one of `spares_per_node` warm processes kept on its node (torch
     imported, no resources reserved, about 250 MB of host memory each; None: 1 where
-    max_restarts > 0, else 0), not a cold start.
+    max_restarts > 0, else 0), not a cold start. With `min_replicas`, a restart whose lost
+    node no other can replace within `shrink_after` seconds goes on with the ranks left
+    (at least `min_replicas`), renumbered, each restoring its own snapshot.
     `detach=True` supervises each call in the cluster: it runs on when this process exits
     or dies, and `orchestrator.get_job(job.id)` gets it back from any process; its warm
     ranks wait `idle_timeout` seconds for the next call, which a later driver asking for the

@@ -25,6 +25,7 @@ from orchestrator_workers.states import State
 if TYPE_CHECKING:
     from orchestrator.call import Call
     from orchestrator.options import Options
+    from orchestrator.pool import Shrunk
     from orchestrator.shipping import Shipment
     from orchestrator.view import CallView
     from orchestrator_workers.protocol import Payload, RankFailure
@@ -313,7 +314,14 @@ class JobControl:
         self._say(restart_line(len(job._attempts.failures()), why, job.num_ranks))
         job._set_phase(State.STARTING)
 
-    def replaced(self, ranks: set[int]) -> None:
+    def repaired(self, how: set[int] | Shrunk) -> None:
+        """Say what the restart did: the ranks it replaced, or how the job shrank."""
+        if isinstance(how, set):
+            self._replaced(how)
+        else:
+            self._shrunk(how)
+
+    def _replaced(self, ranks: set[int]) -> None:
         """Say which ranks the restart replaced, the others kept with their processes."""
         kept = sorted(set(range(self.job.num_ranks)) - ranks)
         self._say(
@@ -321,6 +329,18 @@ class JobControl:
             f"processes; rank(s) {rank_label(kept)} kept, with their memory",
             warn=False,
         )
+
+    def _shrunk(self, shrunk: Shrunk) -> None:
+        """Say that the restart goes on with fewer ranks, and which."""
+        job = self.job
+        job.num_ranks = shrunk.new_world
+        line = (
+            f"restart {len(job._attempts.failures())}: going on with {shrunk.new_world} of "
+            f"{shrunk.old_world} ranks: rank(s) {rank_label(shrunk.lost)} lost with their "
+            f"node(s), which no node could replace; rank(s) {_renumbered(shrunk)}"
+        )
+        job._attempts.shrunk(line)
+        self._say(line)
 
     def finish(self, value: list[Any] | None = None, error: BaseException | None = None) -> None:
         """Settle the job with the ranks' results or the error (see `Job._finish`)."""
@@ -351,3 +371,11 @@ def stop_all(say: bool = False) -> None:
             if say:
                 messages.say(f"stopping job {job.name} ({job.status().state}) at exit")
             job.cancel()
+
+
+def _renumbered(shrunk: Shrunk) -> str:
+    """The ranks kept by a shrink, as said: as they were, or old -> new."""
+    moved = {old: new for old, new in shrunk.renumbered.items() if old != new}
+    if not moved:
+        return f"{rank_label(shrunk.renumbered)} kept as they were"
+    return "kept, renumbered " + ", ".join(f"{old}->{new}" for old, new in sorted(moved.items()))

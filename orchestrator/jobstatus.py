@@ -93,6 +93,10 @@ class Attempts:
         """An attempt failed (`why`) and a restart follows."""
         self._add("restart", why)
 
+    def shrunk(self, text: str) -> None:
+        """A restart goes on with fewer ranks (`text` says which)."""
+        self._add("shrunk", text)
+
     def ended(self, kind: str, why: str = "") -> None:
         """The job ended: finished, failed (`why`) or cancelled."""
         self._add(kind, why)

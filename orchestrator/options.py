@@ -84,6 +84,11 @@ class Options:
     """After a failed attempt, restart every rank on a fresh pool up to this many times."""
     restart_on: str = "any"
     """"any" failure, or only a "crash" (a rank's process died or its node was lost)."""
+    min_replicas: int | None = None
+    """The fewest ranks a restart may go on with, when a lost node's cannot be replaced
+    (None: num_replicas: it waits for a node instead)."""
+    shrink_after: float = 10.0
+    """With min_replicas: how long a restart waits for a node to take a lost one's place."""
     spares_per_node: int | None = None
     """Warm spares kept on each node to replace a failed rank (orchestrator.standby); None:
     1 where max_restarts > 0, else 0."""
@@ -95,6 +100,22 @@ class Options:
     retention: float = RETENTION_S
     """Detached only: seconds each job's result and output are kept after it ends, unless
     `job.release()` lets them go sooner (math.inf: until then)."""
+
+    def _shrink_problems(self) -> list[str]:
+        least, count, per_node = self.min_replicas, self.num_replicas, self.replicas_per_node
+        problems = []
+        if least is not None and not (_is_int(least) and 1 <= least <= count):
+            problems.append(
+                f"min_replicas={least!r}: must be an int from 1 to num_replicas={count}"
+            )
+        elif least is not None and isinstance(per_node, int) and per_node > 0 and least % per_node:
+            problems.append(
+                f"min_replicas={least}: must be a multiple of replicas_per_node={per_node} "
+                "(a lost node takes its ranks with it)"
+            )
+        if not (_is_number(self.shrink_after) and self.shrink_after >= 0):
+            problems.append(f"shrink_after={self.shrink_after!r}: must be a number of seconds >= 0")
+        return problems
 
     @property
     def spares(self) -> int:
@@ -225,6 +246,7 @@ class Options:
             problems.append(
                 f"max_restarts={self.max_restarts!r}: must be an int >= 0 (0: fail fast)"
             )
+        problems += self._shrink_problems()
         spares = self.spares_per_node
         if spares is not None and (not _is_int(spares) or spares < 0):
             problems.append(

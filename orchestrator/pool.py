@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import re
 import threading
 import uuid
-from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -16,53 +15,33 @@ from ray.exceptions import RayActorError, RuntimeEnvSetupError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import _ray_compat, crash, placement, reserve, shipping
+from orchestrator import _ray_compat, crash, placement, rankspecs, reserve, shipping
+from orchestrator.actornames import ACTOR_NAMESPACE, actor_name, spare_name
 from orchestrator.channel import RankChannel, rank_stacks
 from orchestrator.connect import cluster, local, rankside
 from orchestrator.dispatch import Routes
-from orchestrator.errors import StopRequested, describe_rank
+from orchestrator.errors import PlacementError, StopRequested, describe_rank
 from orchestrator.options import Options
-from orchestrator.placement import Request
 from orchestrator.reserve import Plan
 from orchestrator.show import notices
 from orchestrator.standby import Standby
 from orchestrator_workers import environment
-from orchestrator_workers.environment import order_devices
 from orchestrator_workers.protocol import NodeInfo, RankSpec, unwire
 from orchestrator_workers.states import State
 
-ACTOR_NAMESPACE = "orchestrator"
-"""Ray namespace of every rank's actor, named `actor_name(...)`, so other drivers find them."""
-_ACTOR_NAME = re.compile(r"^(?P<job>.+)-(?P<pool>[0-9a-f]{8})-r(?P<rank>\d+)(?:\.\d+)?$")
-_SPARE_NAME = re.compile(r"^(?P<job>.+)-(?P<pool>[0-9a-f]{8})-spare\d+$")
 
+@dataclass(frozen=True)
+class Shrunk:
+    """A restart that goes on with fewer ranks: a lost node's could not be replaced."""
 
-def actor_name(job_name: str, pool_id: str, rank: int, attempt: int = 0) -> str:
-    """The Ray actor name of `rank` in pool `pool_id` of job `job_name`: NAME-ID-rRANK.
-
-    A rank's actor replaced at restart N is NAME-ID-rRANK.N (names are freed lazily).
-    """
-    return f"{job_name}-{pool_id}-r{rank}" + (f".{attempt}" if attempt else "")
-
-
-def spare_name(job_name: str, pool_id: str, serial: int) -> str:
-    """The Ray actor name of pool `pool_id`'s warm spare number `serial` (see standby): it
-    keeps it when it serves a rank (ask it which: `serving`)."""
-    return f"{job_name}-{pool_id}-spare{serial}"
-
-
-def parse_spare_name(name: str) -> tuple[str, str] | None:
-    """(job name, pool id) of one of our spares' names; None for any other name."""
-    match = _SPARE_NAME.match(name)
-    return None if match is None else (match["job"], match["pool"])
-
-
-def parse_actor_name(name: str) -> tuple[str, str, int] | None:
-    """(job name, pool id, rank) of one of our actors' names; None for any other name."""
-    match = _ACTOR_NAME.match(name)
-    if match is None:
-        return None
-    return match["job"], match["pool"], int(match["rank"])
+    lost: tuple[int, ...]
+    """The ranks lost with their nodes, as they were numbered."""
+    old_world: int
+    new_world: int
+    renumbered: dict[int, int]
+    """Each rank kept: its number before -> its number now."""
+    replaced: frozenset[int] = frozenset()
+    """Ranks on live nodes replaced too (broken by the failure), numbered anew."""
 
 
 class Pool:
@@ -88,6 +67,9 @@ class Pool:
         request, simulate_nodes = plan
         self.name = name
         self.request = request
+        """What its placement group reserves: `num_replicas` ranks, one bundle a node."""
+        self.world = request
+        """The job as its ranks run now: `request`, or fewer ranks after a shrink."""
         self.session = cluster.session()
         """The Ray session its actors belong to (see `cluster.rejoin`)."""
         self.actors: list[Any] = []
@@ -158,6 +140,8 @@ class Pool:
         bundles = placement.order_bundles(bundle_nodes, cluster.driver_node())
         self._slots = placement.layout(request.num_replicas, request.replicas_per_node)
         self._bundles = [bundles[slot.node_rank] for slot in self._slots]
+        self.identities = list(range(request.num_replicas))
+        """By rank, what its snapshots are kept as: its rank at the start (see shrink)."""
         # Local folders in it are uploaded as ray.init uploads the job's (an actor takes URIs).
         uploaded = (
             _ray_compat.upload_runtime_env(shipping.hook_by_value(runtime_env))
@@ -257,15 +241,25 @@ class Pool:
         """The node Ray placed `rank`'s actor on, and its local rank there."""
         return self._bundle_nodes[self._bundles[rank]], self._slots[rank].local_rank
 
-    def replace(self, ranks: set[int], attempt: int) -> set[int] | None:
+    def replace(
+        self,
+        ranks: set[int],
+        attempt: int,
+        *,
+        min_ranks: int | None = None,
+        shrink_after: float = 0,
+    ) -> set[int] | Shrunk | None:
         """Replace the actors of `ranks` in place, keeping the others (warm, torch loaded):
         the ranks replaced (with a lost node's, `ranks` and more).
 
-        For a restart after a failed call. The local runtime's warm processes take the
-        ranks' places where ready (as at a pool's start). The ranks of a lost node are
-        replaced on the node Ray places its bundle on instead, waiting up to
-        placement_timeout for one (then PlacementTimeoutError). None where no rank is
-        left to keep: the caller starts a whole new pool instead.
+        For a restart after a failed call. A rank on a live node is served by its node's
+        warm spare where one is ready, else the local runtime's, else a new process. The
+        ranks of a lost node are replaced on the node Ray places its bundle on instead,
+        waiting up to placement_timeout for one (then PlacementTimeoutError); where at
+        least `min_ranks` would be left, only up to `shrink_after`, and at once where no
+        live node could hold it: the job then goes on without them (a Shrunk, see
+        `_shrink`). None where no rank is left to keep: the caller starts a whole new
+        pool instead.
         """
         lost = frozenset(cluster.lost_nodes({info.node_id for info in self.infos}))
         ranks = ranks | {r for r, info in enumerate(self.infos) if info.node_id in lost}
@@ -273,12 +267,18 @@ class Pool:
             return None
         runtime = local.broker()  # its warm processes take the place of the ranks lost
         moved = {self._bundles[r] for r, info in enumerate(self.infos) if info.node_id in lost}
+        shrunk = None
         if lost:
             self.standby.forget(moved)  # gone with their node
-            self._place(self._placement_timeout, lost)
-            self._bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
-            if runtime is None:
-                rankside.check_nodes({self._bundle_nodes[b] for b in moved}, self.name)
+            left = sum(1 for bundle in self._bundles if bundle not in moved)
+            if self._placed_again(lost, min_ranks is not None and left >= min_ranks, shrink_after):
+                self._bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+                if runtime is None:
+                    rankside.check_nodes({self._bundle_nodes[b] for b in moved}, self.name)
+            else:
+                shrunk = self._shrink(moved)
+                ranks = {shrunk.renumbered[r] for r in ranks if r in shrunk.renumbered}
+                moved = set()
         standby = {r: self.standby.take(self._bundles[r]) for r in ranks if r not in moved}
         rest = {rank for rank in ranks if not standby.get(rank)}
         spares = self._spares(runtime, self._bundle_nodes, rest) if runtime is not None else {}
@@ -296,15 +296,53 @@ class Pool:
         self.standby.fill(self._bundles)  # what the replaced ones took, a lost node's
         self.store_port = self._open_store()  # the failed call's store holds stale keys
         self._respec()
-        return ranks
+        return dataclasses.replace(shrunk, replaced=frozenset(ranks)) if shrunk else ranks
+
+    def _placed_again(self, lost: frozenset[str], may_shrink: bool, shrink_after: float) -> bool:
+        """Whether Ray placed the bundles of the `lost` nodes again; with `may_shrink`,
+        False where it did not within `shrink_after`, or no live node could hold them."""
+        if not may_shrink:
+            self._place(self._placement_timeout, lost)
+            return True
+        limit = self._placement_timeout
+        wait = shrink_after if limit is None else min(shrink_after, limit)
+        try:
+            live = [(node.ip, node.resources) for node in cluster.nodes()]
+            placement.check_feasible(self.request, live, one_node=self._simulated)
+            self._place(wait, lost)
+        except PlacementError:  # PlacementTimeoutError too
+            return False
+        return True
+
+    def _shrink(self, lost: set[int]) -> Shrunk:
+        """Go on without the ranks of the `lost` bundles: the others renumbered in order
+        (whole nodes gone, so each keeps its local rank), each keeping what its snapshots
+        are kept as. The placement group keeps the lost bundles, which Ray places again
+        when a node can take them."""
+        old = len(self.actors)
+        kept = [rank for rank in range(old) if self._bundles[rank] not in lost]
+        for rank in set(range(old)) - set(kept):
+            ray.kill(self.actors[rank], no_restart=True)
+        self.actors = [self.actors[r] for r in kept]
+        self.channels = [self.channels[r] for r in kept]
+        self.infos = [self.infos[r] for r in kept]
+        self.identities = [self.identities[r] for r in kept]
+        self._bundles = [self._bundles[r] for r in kept]
+        per_node = self.request.replicas_per_node
+        self._slots = placement.layout(len(kept), per_node)
+        self.world = dataclasses.replace(self.request, num_replicas=len(kept))
+        renumbered = {rank: new for new, rank in enumerate(kept)}
+        gone = tuple(sorted(set(range(old)) - set(kept)))
+        return Shrunk(gone, old, len(kept), renumbered)
 
     def _respec(self) -> None:
-        self.specs = _specs(
+        self.specs = rankspecs.specs(
             self.name,
-            self.request,
+            self.world,
             self._slots,
             self.infos,
             self._env,
+            identities=self.identities,
             post_mortem=self._post_mortem,
             workdir=self._workdir,
         )
@@ -349,42 +387,3 @@ class Pool:
         finally:
             for actor in self.actors:
                 ray.kill(actor, no_restart=True)
-
-
-def _specs(
-    name: str,
-    request: Request,
-    slots: list[placement.Slot],
-    infos: list[NodeInfo],
-    env: Mapping[str, str],
-    *,
-    post_mortem: bool,
-    workdir: str | None = None,
-) -> list[RankSpec]:
-    by_node: dict[int, list[tuple[str, ...]]] = {}
-    for slot, info in zip(slots, infos, strict=True):
-        by_node.setdefault(slot.node_rank, []).append(info.gpu_ids)
-    devices = {node: order_devices(ids) for node, ids in by_node.items()}
-    on_node = Counter(info.node_id for info in infos)
-    return [
-        RankSpec(
-            job_name=name,
-            rank=slot.rank,
-            local_rank=slot.local_rank,
-            node_rank=slot.node_rank,
-            world_size=request.num_replicas,
-            local_world_size=request.replicas_per_node,
-            num_nodes=request.num_nodes,
-            master_addr=infos[0].node_ip,
-            master_port=0,
-            cuda_visible_devices=devices[slot.node_rank],
-            interface=info.interface,
-            cpus=request.cpus_per_replica,
-            node_ip=info.node_ip,
-            post_mortem=post_mortem,
-            env=dict(env),
-            workdir=workdir,
-            ranks_on_node=on_node[info.node_id],
-        )
-        for slot, info in zip(slots, infos, strict=True)
-    ]

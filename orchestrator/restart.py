@@ -16,8 +16,9 @@ from orchestrator.errors import (
     PlacementTimeoutError,
     is_secondary,
 )
+from orchestrator.job import JobControl
 from orchestrator.options import Options
-from orchestrator.pool import Pool
+from orchestrator.pool import Pool, Shrunk
 
 SETTLE_S = 5.0
 """Before a restart, how long ranks still running may take to return (else: stuck). A gloo
@@ -39,24 +40,31 @@ def restartable(error: BaseException, options: Options, restarts: int) -> bool:
 
 
 def repair(
-    call: Call | None, pool: Pool | None, attempt: int, error: BaseException
-) -> set[int] | None:
-    """Replace failed `call`'s broken ranks in `pool` for attempt number `attempt`: the
-    ranks replaced; None where the whole pool must go instead (the call ran on another
-    pool, or none; or anything went amiss, a stop too). PlacementTimeoutError: no node
-    for a lost node's ranks.
+    control: JobControl, pool: Pool | None, attempt: int, error: BaseException, options: Options
+) -> bool:
+    """Replace the failed call's broken ranks in `pool` for attempt number `attempt`, or
+    go on with fewer ranks (`options.min_replicas`), and say which: whether the pool was
+    kept; False where the whole pool must go instead (the call ran on another pool, or
+    none; or anything went amiss, a stop too). PlacementTimeoutError: no node for a lost
+    node's ranks.
     """
+    call = control.call
     if call is None or call.pool is not pool:
-        return None
+        return False
     try:
-        return _repair(call, attempt, error)
+        how = _repair(call, attempt, error, options)
     except PlacementTimeoutError:
         raise
     except Exception:  # noqa: BLE001 - anything amiss: a whole new pool
-        return None
+        return False
+    if how is not None:
+        control.repaired(how)
+    return how is not None
 
 
-def _repair(call: Call, attempt: int, error: BaseException) -> set[int] | None:
+def _repair(
+    call: Call, attempt: int, error: BaseException, options: Options
+) -> set[int] | Shrunk | None:
     """Ranks still running may first take SETTLE_S to return (a peer's death reaches gloo
     ranks in moments); none after a timeout, where they are all stuck."""
     if isinstance(error, JobTimeoutError):
@@ -67,7 +75,9 @@ def _repair(call: Call, attempt: int, error: BaseException) -> set[int] | None:
         for rank in call.running() - call.output.dead:
             call.pool.actors[rank].unblock.remote()  # its outcome comes as the run's
         broken = settle(call, SETTLE_S)
-    return call.pool.replace(broken, attempt)
+    return call.pool.replace(
+        broken, attempt, min_ranks=options.min_replicas, shrink_after=options.shrink_after
+    )
 
 
 def settle(call: Call, settle_s: float) -> set[int]:

@@ -295,17 +295,15 @@ class Runner:
                     earlier.append(exc)
                     control.restarted(exc)
                     try:
-                        replaced = restart.repair(control.call, self.pool, len(earlier), exc)
+                        kept = restart.repair(control, self.pool, len(earlier), exc, options)
                     except PlacementTimeoutError as late:  # a lost node's ranks: no node
                         self.release()
                         late.earlier_attempts = tuple(earlier)
                         control.finish(error=late)
                         return
-                    if replaced is None:
+                    if not kept:
                         self.release()
                         plan = None  # a whole new pool, laid out on the nodes alive now
-                    else:
-                        control.replaced(replaced)
                     continue
                 # Ranks may be stuck in a collective: replace the whole pool next time.
                 self.release()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from orchestrator import DistributedFunction, PlacementTimeoutError, distribute, restart
-from orchestrator_workers import buddies, frames, snapshot
+from orchestrator_workers import buddies, copies, frames, snapshot
 from tests.helpers import CPUS_PER_NODE, GPUS_PER_NODE, wait_resources_back
 
 STEPS, EVERY = 50, 10
@@ -119,37 +119,48 @@ def train(
 
 
 def test_a_buddy_is_on_another_node_where_there_is_one():
-    assert snapshot._buddies(["a", "a", "b", "b"]) == [2, 3, 0, 1]
-    assert snapshot._buddies(["a", "a", "b"]) == [2, 2, 1]
-    assert snapshot._buddies(["a", "b", "c", "d"]) == [1, 2, 3, 0]
-    assert snapshot._buddies(["a", "a", "a"]) == [1, 2, 0]  # one node: the next rank
-    assert snapshot._buddies(["a"]) == [0]
+    assert copies.buddies(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert copies.buddies(["a", "a", "b"]) == [2, 2, 1]
+    assert copies.buddies(["a", "b", "c", "d"]) == [1, 2, 3, 0]
+    assert copies.buddies(["a", "a", "a"]) == [1, 2, 0]  # one node: the next rank
+    assert copies.buddies(["a"]) == [0]
 
 
 def _ranks(own: list[int | None], held: list[dict[int, list[int]]]) -> list[Any]:
-    return [("h", 1, o, h) for o, h in zip(own, held, strict=True)]
+    return [("h", 1, o, h, rank) for rank, (o, h) in enumerate(zip(own, held, strict=True))]
 
 
 def test_the_ranks_agree_on_the_newest_step_each_can_restore():
     # Rank 2 replaced: its copy of 29 is kept by rank 0.
     ranks = _ranks([29, 29, None, 29], [{2: [29]}, {3: [29]}, {}, {1: [29]}])
-    assert snapshot._agree(ranks) == (29, [])
+    assert copies.agree(ranks) == (29, [])
     # Rank 1 lost half-way through step 19's snapshot: the others' keepers hold 9 and 19,
     # their own copies are still 9, rank 1's keeper (rank 3) holds only 9: 9, not a mix.
     ranks = _ranks([9, None, 9, 9], [{2: [9, 19]}, {}, {0: [9, 19]}, {1: [9]}])
-    assert snapshot._agree(ranks) == (9, [])
+    assert copies.agree(ranks) == (9, [])
     # Lost after every rank delivered 19: the copy it kept for rank 3 went with it, and
     # rank 3's own is 9 until it passes the commit, so 9 again.
     ranks = _ranks([9, None, 9, 9], [{2: [9, 19]}, {}, {0: [9, 19]}, {1: [9, 19]}])
-    assert snapshot._agree(ranks) == (9, [])
+    assert copies.agree(ranks) == (9, [])
     # Lost once ranks 0 and 3 had passed the commit (their own copies and keepers: 19).
     ranks = _ranks([19, None, 9, 19], [{2: [19]}, {}, {0: [9, 19]}, {1: [19]}])
-    assert snapshot._agree(ranks) == (19, [])
+    assert copies.agree(ranks) == (19, [])
     # Ranks 0 and 2 (each the other's buddy) lost together: nothing, and who.
     ranks = _ranks([None, 29, None, 29], [{}, {3: [29]}, {}, {1: [29]}])
-    assert snapshot._agree(ranks) == (None, [0, 2])
+    assert copies.agree(ranks) == (None, [0, 2])
     # A failure before the first snapshot: nothing anywhere.
-    assert snapshot._agree(_ranks([None, None], [{}, {}])) == (None, [0, 1])
+    assert copies.agree(_ranks([None, None], [{}, {}])) == (None, [0, 1])
+
+
+def test_after_a_shrink_copies_count_for_the_rank_they_were_saved_as():
+    # 4 ranks kept as identities 0-3; identities 1 and 3 (a node) are lost, and the
+    # survivors are renumbered 0 and 1. Rank 1 (identity 2) lacks its own copy of 29; the
+    # keeper holding identity 1's copy of 29 must not count for it (it was another rank's).
+    ranks = [("h", 1, 29, {1: [29]}, 0), ("h", 1, 19, {0: [19, 29]}, 2)]
+    assert copies.agree(ranks) == (19, [])
+    # Identity 2's copy of 29, kept by identity 0's keeper: 29 on both.
+    ranks = [("h", 1, 29, {2: [29]}, 0), ("h", 1, 19, {0: [29]}, 2)]
+    assert copies.agree(ranks) == (29, [])
 
 
 def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory():
@@ -165,7 +176,7 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
         "scale": torch.tensor([2.5]),
     }
     torch.manual_seed(7)
-    header, tensors = frames.frame(12, state, data={"offset": 96})
+    header, tensors = frames.frame(12, state, {"offset": 96}, 4)
     layout = frames.layout_of(tensors)
     body = bytearray(b"".join(bytes(c) for c in frames.chunks(tensors, layout)))
     expected_draw = torch.rand(3)
@@ -178,7 +189,7 @@ def test_a_snapshot_frame_round_trips_state_rng_and_data_without_sharing_memory(
     saved, _ = frames.unpack(header, body)
     frames.set_rng(saved["rng"])
     loaded = frames.load(saved, into)
-    assert (saved["step"], saved["data"]) == (12, {"offset": 96})
+    assert (saved["step"], saved["data"], saved["world_size"]) == (12, {"offset": 96}, 4)
     assert loaded["scale"] is scale and scale.item() == 2.5  # a tensor: in place
     assert torch.equal(loaded["extra"]["bf16"], torch.ones(3).bfloat16())
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG as it was at the save
@@ -203,7 +214,7 @@ def test_an_optimizer_with_state_is_loaded_into_its_own_tensors():
     for _ in range(2):
         model(torch.randn(2, 4)).sum().backward()
         optimizer.step()
-    header, tensors = frames.frame(5, {"optimizer": optimizer}, None)
+    header, tensors = frames.frame(5, {"optimizer": optimizer}, None, 1)
     body = bytearray(b"".join(bytes(c) for c in frames.chunks(tensors, frames.layout_of(tensors))))
     saved_moments = optimizer.state_dict()["state"][0]["exp_avg"].clone()
     model(torch.randn(2, 4)).sum().backward()
@@ -220,7 +231,7 @@ def test_an_optimizer_with_state_is_loaded_into_its_own_tensors():
 
 def test_a_sparse_tensor_is_refused_with_what_to_use():
     with pytest.raises(snapshot.SnapshotError, match=r"dense tensors.*checkpoint"):
-        frames.frame(0, {"t": torch.eye(2).to_sparse()}, None)
+        frames.frame(0, {"t": torch.eye(2).to_sparse()}, None, 1)
 
 
 def test_a_node_without_room_for_the_copies_is_refused_on_every_rank_alike():
@@ -237,8 +248,8 @@ def test_a_node_without_room_for_the_copies_is_refused_on_every_rank_alike():
         match=r"4\.00 GiB more memory on the node of "
         r"ranks 2, 3 .* 3\.00 GiB is available there",
     ):
-        snapshot._check_room(ranks, 9)
-    snapshot._check_room([(n, h, p, c, 0, a) for n, h, p, c, _, a in ranks], 19)
+        copies.check_room(ranks, 9)
+    copies.check_room([(n, h, p, c, 0, a) for n, h, p, c, _, a in ranks], 19)
 
 
 def test_the_snapshot_api_outside_a_rank_says_where_it_works(monkeypatch):

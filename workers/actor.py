@@ -252,6 +252,7 @@ class RankActor:
             secret=call.job_secret,
             host=self._node_ip,
             node=self._node_id,
+            identity=spec.identity if spec.identity >= 0 else spec.rank,
         )
         outcome = self._run(spec, payload, watched=call.watched, call_key=call.share_key)
         try:

@@ -48,7 +48,9 @@ class _Pickler(pickle.Pickler):
         return index
 
 
-def frame(step: int, state: Mapping[str, Any], data: Any) -> tuple[bytes, list[torch.Tensor]]:
+def frame(
+    step: int, state: Mapping[str, Any], data: Any, world_size: int
+) -> tuple[bytes, list[torch.Tensor]]:
     """The header (everything but the tensors' bytes, pickled) and the tensors in order."""
     values = {
         name: value.state_dict() if callable(getattr(value, "state_dict", None)) else value
@@ -56,7 +58,8 @@ def frame(step: int, state: Mapping[str, Any], data: Any) -> tuple[bytes, list[t
     }
     tensors: list[torch.Tensor] = []
     out = io.BytesIO()
-    _Pickler(out, tensors).dump({"step": step, "data": data, "state": values, "rng": _rng()})
+    saved = {"step": step, "data": data, "world_size": world_size, "state": values, "rng": _rng()}
+    _Pickler(out, tensors).dump(saved)
     layout = layout_of(tensors)
     return pickle.dumps((out.getvalue(), layout), pickle.HIGHEST_PROTOCOL), tensors
 

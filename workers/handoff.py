@@ -346,6 +346,12 @@ class Hand:
         if have is not None:
             have[1].close()
             del self._links[peer.rank]
+        # The same process under another number (a shrink renumbers): its door serves one
+        # link at a time, so a second one to it would wait for ever.
+        renumbered = next((r for r, (door, _) in self._links.items() if door == peer.door), None)
+        if renumbered is not None:
+            self._links[peer.rank] = self._links.pop(renumbered)
+            return self._links[peer.rank][1]
         link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             link.connect(f"\0{peer.door}")

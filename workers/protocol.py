@@ -92,6 +92,9 @@ class RankSpec:
     ranks_on_node: int = 1
     """How many ranks of the job run on this rank's Ray node (they share its cores and
     read one copy of the payload's large buffers)."""
+    identity: int = -1
+    """What its snapshots are kept as (see orchestrator_workers.snapshot): its rank when the
+    pool started, kept by a replacement and through a shrink's renumbering (-1: `rank`)."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ data: DataLoader iterators are not captured).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -35,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from orchestrator_workers import buddies, frames
-from orchestrator_workers.errors import SnapshotError, SnapshotMemoryError
+from orchestrator_workers import buddies, copies, frames
+from orchestrator_workers.errors import SnapshotError
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +61,9 @@ class Restored:
     dict (loaded in place), or a copy of a plain value."""
     source: str = "own"
     """"own" (this process's copy) or "rank N" (the copy its buddy, rank N, kept)."""
+    world_size: int = 0
+    """The world size it was saved at: after a shrink, more than WORLD_SIZE now (so `data`,
+    a position in the data, counts samples of a wider world)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class _Call:
     secret: bytes = field(repr=False)
     host: str
     node: str
+    identity: int
+    """What its snapshots are kept as: its rank when they were saved (see RankSpec.identity)."""
 
 
 @dataclass
@@ -94,7 +98,14 @@ dropped as each call ends (held, it would keep its peers' connections open)."""
 
 
 def enter(
-    rank: int, world_size: int, *, restart_count: int, secret: bytes, host: str, node: str
+    rank: int,
+    world_size: int,
+    *,
+    restart_count: int,
+    secret: bytes,
+    host: str,
+    node: str,
+    identity: int | None = None,
 ) -> None:
     """Called by the rank's actor before each call: a new job's secret drops what an
     earlier job left (its own copy and the copies kept for its wards)."""
@@ -102,7 +113,8 @@ def enter(
     if _call is None or _call.secret != secret:
         _own = None
         buddies.keeper.forget()
-    _call = _Call(rank, world_size, restart_count, secret, host, node)
+    known = rank if identity is None else identity
+    _call = _Call(rank, world_size, restart_count, secret, host, node, known)
 
 
 def leave() -> None:
@@ -125,23 +137,23 @@ def save(step: int, state: Mapping[str, Any], *, data: Any = None) -> None:
     import torch.distributed as dist
 
     call, group = _enter_collective("save")
-    header, tensors = frames.frame(step, state, data)
+    header, tensors = frames.frame(step, state, data, call.world_size)
     layout = frames.layout_of(tensors)
     body_len = layout[-1][2] + layout[-1][3] if layout else 0
     host, port = buddies.keeper.serve(call.host, call.secret)
     grown = 0 if _own is not None and _own.layout == layout else body_len
-    mine = (call.node, host, port, len(header) + body_len, grown, _available_memory())
+    mine = (call.node, host, port, len(header) + body_len, grown, copies.available_memory())
     ranks: list[Any] = [None] * call.world_size
     dist.all_gather_object(ranks, mine, group=group)
-    _check_room(ranks, step)
-    buddy = _buddies([r[0] for r in ranks])[call.rank]
+    copies.check_room(ranks, step)
+    buddy = copies.buddies([r[0] for r in ranks])[call.rank]
     failure = ""
     if buddy != call.rank:
         try:
             buddies.put(
                 (ranks[buddy][1], ranks[buddy][2]),
                 call.secret,
-                ward=call.rank,
+                ward=call.identity,
                 step=step,
                 header=header,
                 body=frames.chunks(tensors, layout),
@@ -180,7 +192,8 @@ def restore(state: Mapping[str, Any]) -> Restored | None:
             f"the snapshot of step {saved['step']} was saved by dcp.save() with "
             "snapshot.writer(): load it with dcp.load(state, storage_reader=snapshot.reader())"
         )
-    return Restored(saved["step"], saved["data"], frames.load(saved, state), source)
+    loaded = frames.load(saved, state)
+    return Restored(saved["step"], saved["data"], loaded, source, saved["world_size"])
 
 
 def fetch(what: str) -> tuple[dict[str, Any], str] | None:
@@ -198,10 +211,10 @@ def fetch(what: str) -> tuple[dict[str, Any], str] | None:
     call, group = _enter_collective(what)
     host, port = buddies.keeper.serve(call.host, call.secret)
     own_step = _own.step if _own is not None else None
-    mine = (host, port, own_step, buddies.keeper.holdings())
+    mine = (host, port, own_step, buddies.keeper.holdings(), call.identity)
     ranks: list[Any] = [None] * call.world_size
     dist.all_gather_object(ranks, mine, group=group)
-    step, missing = _agree(ranks)
+    step, missing = copies.agree(ranks)
     if step is None:
         if call.rank == 0:
             _say_lost(missing, any(r[2] is not None or r[3] for r in ranks))
@@ -211,8 +224,9 @@ def fetch(what: str) -> tuple[dict[str, Any], str] | None:
     if own_step == step and _own is not None:
         header, body = _own.header, _own.body
     else:
-        holder = next(h for h, r in enumerate(ranks) if step in r[3].get(call.rank, ()))
-        copy = buddies.get((ranks[holder][0], ranks[holder][1]), call.secret, call.rank, step)
+        holder = next(h for h, r in enumerate(ranks) if step in r[3].get(call.identity, ()))
+        where = (ranks[holder][0], ranks[holder][1])
+        copy = buddies.get(where, call.secret, call.identity, step)
         header, body = copy.header, copy.body
         source = f"rank {holder}"
     buddies.keeper.settle(step)
@@ -276,35 +290,6 @@ def _keep_own(step: int, header: bytes, tensors: list[torch.Tensor], layout: Any
     _own.step = step
 
 
-def _buddies(nodes: list[str]) -> list[int]:
-    """For each rank, the rank that keeps its copy: counting on from one node's worth of
-    ranks, the first on another node (on one node, the next rank; alone, itself)."""
-    world = len(nodes)
-    per_node = nodes.count(nodes[0])
-    out = []
-    for rank in range(world):
-        others = [(rank + per_node + k) % world for k in range(world)]
-        away = [r for r in others if nodes[r] != nodes[rank]]
-        out.append(away[0] if away else (rank + 1) % world)
-    return out
-
-
-def _agree(ranks: list[Any]) -> tuple[int | None, list[int]]:
-    """The newest step every rank can restore (its own copy, or one another rank keeps
-    for it), and the ranks with nothing of it; (None, those ranks) where there is none."""
-    world = len(ranks)
-    steps: list[set[int]] = [set() if own is None else {own} for _, _, own, _ in ranks]
-    for _, _, _, held in ranks:  # once over every keeper's holdings, not once per rank
-        for ward, kept in held.items():
-            if 0 <= ward < world:
-                steps[ward].update(kept)
-    common = set.intersection(*steps) if steps else set()
-    if common:
-        return max(common), []
-    newest = max((max(s) for s in steps if s), default=None)
-    return None, [r for r in range(world) if newest is None or newest not in steps[r]]
-
-
 def _say_lost(missing: list[int], any_kept: bool) -> None:
     if not any_kept:
         print(
@@ -334,42 +319,6 @@ def _say_restored(step: int, sources: list[str]) -> None:
         file=sys.stderr,
         flush=True,
     )
-
-
-def _available_memory() -> int:
-    """Bytes this node can still give: MemAvailable, or less under a cgroup's limit."""
-    available = 1 << 62
-    cgroup = "/sys/fs/cgroup/memory"
-    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as info:
-        line = next(line for line in info if line.startswith("MemAvailable:"))
-        available = int(line.split()[1]) * 1024
-    with (
-        contextlib.suppress(OSError, ValueError),
-        open(f"{cgroup}.max") as limit,
-        open(f"{cgroup}.current") as used,
-    ):
-        text = limit.read().strip()
-        if text != "max":
-            available = min(available, int(text) - int(used.read()))
-    return available
-
-
-def _check_room(ranks: list[Any], step: int) -> None:
-    """Raise on every rank alike if some node cannot hold what this snapshot adds there:
-    each rank's ward's new copy (the previous one is kept until every rank has the new)
-    and a rank's own copy where it is new or grew."""
-    nodes: dict[str, tuple[int, int, list[int]]] = {}
-    wards = {buddy: ward for ward, buddy in enumerate(_buddies([r[0] for r in ranks]))}
-    for rank, (where, _, _, _, grown, available) in enumerate(ranks):
-        ward = wards.get(rank)
-        incoming = ranks[ward][3] if ward is not None and ward != rank else 0
-        need, _, members = nodes.get(where, (0, available, []))
-        nodes[where] = (need + grown + incoming, available, [*members, rank])
-    short = [(w, n, a, m) for w, (n, a, m) in nodes.items() if n > a]
-    if not short:
-        return
-    _, need, available, members = short[0]
-    raise SnapshotMemoryError(step, members, need, available)
 
 
 def _pause(step: int, rank: int) -> threading.Event | None:

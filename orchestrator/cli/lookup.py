@@ -11,12 +11,12 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
+from orchestrator.actornames import ACTOR_NAMESPACE, parse_actor_name, parse_spare_name
 from orchestrator.channel import rank_stacks
 from orchestrator.connect import cluster, local, probe
 from orchestrator.connect.discovery import cluster_address
 from orchestrator.diagnose import stall
 from orchestrator.errors import LaunchError
-from orchestrator.pool import ACTOR_NAMESPACE, parse_actor_name, parse_spare_name
 from orchestrator.show import messages
 from orchestrator.show.summary import group_stacks, stacks_title
 from orchestrator.show.text import format_size
