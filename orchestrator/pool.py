@@ -307,7 +307,7 @@ class Pool:
         limit = self._placement_timeout
         wait = shrink_after if limit is None else min(shrink_after, limit)
         try:
-            live = [(node.ip, node.resources) for node in cluster.nodes()]
+            live = [(n.ip, n.resources) for n in cluster.nodes() if n.node_id not in lost]
             placement.check_feasible(self.request, live, one_node=self._simulated)
             self._place(wait, lost)
         except PlacementError:  # PlacementTimeoutError too
