@@ -147,7 +147,7 @@ class Job(Future[list[R]]):
     def _status(self, phase: State, view: CallView | None) -> JobStatus:
         ranks = []
         ran = phase in (State.RUNNING, State.FINISHED, State.FAILED, State.CANCELLED)
-        for rank in range(self.num_ranks):
+        for rank in range(len(view.ranks) if view is not None else self.num_ranks):
             seen = view.ranks[rank] if view is not None else None
             state = seen.state if seen is not None and ran else phase
             node_ip, pid = (seen.node_ip, seen.pid) if seen is not None else (None, None)

@@ -108,17 +108,19 @@ class Pool:
             raise
 
     def _place(self, timeout: float | None, lost: frozenset[str] = frozenset()) -> None:
-        """Wait until the placement group is placed (see reserve.wait)."""
+        """Wait until the placement group is placed: the bundles of the `lost` nodes' ranks,
+        where given (bundles a shrink left wait on: see reserve.wait)."""
         held = {node: [r for r, i in enumerate(self.infos) if i.node_id == node] for node in lost}
         reserve.wait(
             self.pg,
-            self.request,
+            self.world,
             name=self.name,
             timeout=timeout,
             stop=self._stop,
             on_phase=self._on_phase,
             one_node=self._simulated,
             lost=held,
+            bundles={self._bundles[rank] for ranks in held.values() for rank in ranks},
         )
 
     def _wait(self, refs: list[ray.ObjectRef]) -> bool:
@@ -171,6 +173,11 @@ class Pool:
         self.store_port = self._open_store()
         self._respec()
         self._local_runtime = runtime is not None
+
+    @property
+    def shrunk(self) -> bool:
+        """Whether it runs fewer ranks than it was made for (see `_shrink`)."""
+        return self.world.num_replicas < self.request.num_replicas
 
     def keep_spares(self, options: Options) -> None:
         """Keep as many warm spares a node as `options` say (a call's own: more where it
@@ -263,7 +270,8 @@ class Pool:
         """
         lost = frozenset(cluster.lost_nodes({info.node_id for info in self.infos}))
         ranks = ranks | {r for r, info in enumerate(self.infos) if info.node_id in lost}
-        if len(ranks) == len(self.actors) or (lost and self._simulated):
+        may_shrink = bool(lost) and min_ranks is not None
+        if (len(ranks) == len(self.actors) and not may_shrink) or (lost and self._simulated):
             return None
         runtime = local.broker()  # its warm processes take the place of the ranks lost
         moved = {self._bundles[r] for r, info in enumerate(self.infos) if info.node_id in lost}
@@ -271,7 +279,7 @@ class Pool:
         if lost:
             self.standby.forget(moved)  # gone with their node
             left = sum(1 for bundle in self._bundles if bundle not in moved)
-            if self._placed_again(lost, min_ranks is not None and left >= min_ranks, shrink_after):
+            if self._placed_again(lost, may_shrink and left >= (min_ranks or 0), shrink_after):
                 self._bundle_nodes = placement_group_table(self.pg)["bundles_to_node_id"]
                 if runtime is None:
                     rankside.check_nodes({self._bundle_nodes[b] for b in moved}, self.name)
@@ -308,7 +316,7 @@ class Pool:
         wait = shrink_after if limit is None else min(shrink_after, limit)
         try:
             live = [(n.ip, n.resources) for n in cluster.nodes() if n.node_id not in lost]
-            placement.check_feasible(self.request, live, one_node=self._simulated)
+            placement.check_feasible(self.world, live, one_node=self._simulated)
             self._place(wait, lost)
         except PlacementError:  # PlacementTimeoutError too
             return False

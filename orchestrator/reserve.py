@@ -66,9 +66,10 @@ def wait(
     on_phase: Callable[[State, str | None], None],
     one_node: bool,
     lost: Mapping[str, Collection[int]] | None = None,
+    bundles: Collection[int] = (),
 ) -> None:
     """Wait until `pg` is placed; with `lost` nodes (each with the ranks it held), until
-    Ray has placed their bundles again, on other nodes.
+    Ray has placed their `bundles` again, on other nodes (others it holds may wait on).
 
     Says what it waits for (`on_phase("pending", what)`, and on the console after a
     moment), then `on_phase("starting", None)`. A set `stop` ends the wait with
@@ -84,7 +85,7 @@ def wait(
     needs = request.describe()
     if lost:
         needs = f"{len(lost)} node(s) x {{{text.format_resources(request.bundle())}}}"
-    while not _placed(pg, ready, frozenset(lost), stop):
+    while not _placed(pg, ready, frozenset(lost), stop, bundles):
         waited = time.monotonic() - started
         free = text.format_resources(ray.available_resources())
         waiting_for = f"waiting for {needs}; free now: {{{free}}}"
@@ -102,16 +103,24 @@ def wait(
 
 
 def _placed(
-    pg: PlacementGroup, ready: ray.ObjectRef | None, lost: frozenset[str], stop: threading.Event
+    pg: PlacementGroup,
+    ready: ray.ObjectRef | None,
+    lost: frozenset[str],
+    stop: threading.Event,
+    bundles: Collection[int],
 ) -> bool:
-    """Whether `pg` is placed (none of it on `lost` nodes), after waiting a moment."""
+    """Whether `pg` is placed (none of it on `lost` nodes; of `bundles`, where given),
+    after waiting a moment."""
     if stop.is_set():
         raise StopRequested
     if ready is not None:
         done, _ = ray.wait([ready], timeout=POLL_S)
         return bool(done)
     table = placement_group_table(pg)
-    if table["state"] == "CREATED" and not lost & set(table["bundles_to_node_id"].values()):
+    nodes = table["bundles_to_node_id"]  # "" for a bundle not placed
+    if bundles and all(nodes.get(b) and nodes[b] not in lost for b in bundles):
+        return True
+    if not bundles and table["state"] == "CREATED" and not lost & set(nodes.values()):
         return True
     time.sleep(POLL_S)
     return False

@@ -313,6 +313,8 @@ class Runner:
                 control.finish(error=exc)
                 return
             control.finish(value)
+            if self.pool is not None and self.pool.shrunk:  # the next call: its full size
+                self.release()
             return
 
     def _context(self, entry: _Entry) -> call.JobContext:

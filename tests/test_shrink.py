@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import distribute, testing
+from orchestrator import DistributedError, DistributedFunction, Job, distribute, testing
 from tests.helpers import wait_for, wait_resources_back
 
 STEPS = 10
 
 
-def shrinking(folder: str) -> dict[str, object]:
+def shrinking(folder: str, fail_after: bool = False) -> dict[str, object]:
     """Adds step+1 (summed over the ranks, divided by the world) to a state every step, so
     the sum is the same whatever the world; a snapshot every 2 steps. On the first attempt
-    every rank waits after step 5's snapshot for its peers to fail (a node removed)."""
+    every rank waits after step 5's snapshot for its peers to fail (a node removed); on the
+    second, rank 1 raises at step 8 where `fail_after` says so."""
     import torch
     import torch.distributed as dist
 
@@ -32,6 +33,8 @@ def shrinking(folder: str) -> dict[str, object]:
     restored = snapshot.restore(state)
     start = 0 if restored is None else restored.step + 1
     for step in range(start, STEPS):
+        if fail_after and attempt == 1 and rank == 1 and step == 8:
+            raise ValueError("after the shrink")
         grad = torch.full((4,), float(step + 1))
         dist.all_reduce(grad)
         state["w"] += grad / world
@@ -53,7 +56,7 @@ def shrinking(folder: str) -> dict[str, object]:
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_nodes(cluster) -> Iterator[list]:
     """Two nodes, each the only ones with the resource `shrinky` (2 ranks' worth)."""
     wait_resources_back()
@@ -68,10 +71,8 @@ def two_nodes(cluster) -> Iterator[list]:
         wait_resources_back()
 
 
-def test_a_lost_node_nothing_can_replace_leaves_the_job_running_on_the_others(
-    cluster, two_nodes, tmp_path, capfd
-):
-    fn = distribute(
+def _shrinking() -> DistributedFunction:
+    return distribute(
         shrinking,
         num_replicas=4,
         replicas_per_node=2,
@@ -81,16 +82,27 @@ def test_a_lost_node_nothing_can_replace_leaves_the_job_running_on_the_others(
         min_replicas=2,
         name="shrinks",
     )
+
+
+def _lose_rank_0_s_node(job: Job, nodes: list, cluster, folder: Path) -> None:
+    """Once every rank saved step 5, remove rank 0's node (ranks 0-1 go with it)."""
+    wait_for(lambda: len(list(folder.glob("saved-*"))) == 4, 120, "step 5's snapshot")
+    view = testing.view(job)
+    assert view is not None
+    [victim] = [n for n in nodes if n.node_id == view.ranks[0].node_id]
+    cluster.remove_node(victim, allow_graceful=False)
+
+
+def test_a_lost_node_nothing_can_replace_leaves_the_job_running_on_the_others(
+    cluster, two_nodes, tmp_path, capfd
+):
+    fn = _shrinking()
     with fn:
         job = fn.submit(str(tmp_path))
-        wait_for(lambda: len(list(tmp_path.glob("saved-*"))) == 4, 120, "step 5's snapshot")
-        view = testing.view(job)
-        assert view is not None
-        first = view.ranks[0].node_id  # ranks 0-1 go: the others become ranks 0-1
-        [victim] = [n for n in two_nodes if n.node_id == first]
-        cluster.remove_node(victim, allow_graceful=False)
+        _lose_rank_0_s_node(job, two_nodes, cluster, tmp_path)
         results = job.result(timeout=180)
         status = job.status()
+        assert testing.pool(fn) is None  # shrunk: the next call asks for its full size
     assert [r["rank"] for r in results] == [0, 1]
     assert {r["world"] for r in results} == {2}
     assert [r["local_rank"] for r in results] == [0, 1]
@@ -103,4 +115,18 @@ def test_a_lost_node_nothing_can_replace_leaves_the_job_running_on_the_others(
     assert "going on with 2 of 4 ranks: rank(s) 0-1 lost" in err, err
     assert "renumbered 2->0, 3->1" in err, err
     assert "waiting for" not in err, err  # no live node could hold it: no wait for one
+    wait_resources_back()
+
+
+def test_a_rank_failing_after_a_shrink_is_named_by_its_new_number(cluster, two_nodes, tmp_path):
+    fn = _shrinking()
+    with fn:
+        job = fn.submit(str(tmp_path), fail_after=True)
+        _lose_rank_0_s_node(job, two_nodes, cluster, tmp_path)
+        with pytest.raises(DistributedError) as raised:
+            job.result(timeout=180)
+    root = raised.value.root_cause
+    assert root is not None and root.rank == 1, str(raised.value)  # was rank 3
+    assert "after the shrink" in str(raised.value)
+    assert len(job.status().ranks) == 2
     wait_resources_back()

@@ -243,6 +243,8 @@ class RankActor:
                 base = self._spec = pickle.loads(packed_spec)  # noqa: S301 - our driver's
                 self._packed_spec = packed_spec
             spec = _for_call(base, call, share_key=f"{call.share_key}-{self._node_id[:16]}")
+            if spec.rank != self._rank:  # a spare taken, or a shrink renumbered it
+                self.serve_as(spec.job_name, spec.rank)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, not raised
             return True, cloudpickle.dumps(self._failure(exc, time.time(), setup=True))
         snapshot.enter(

@@ -24,6 +24,7 @@ the copy to the buddy is collective and would run beside training's collectives.
 from __future__ import annotations
 
 import io
+import sys
 from typing import Any
 
 import torch
@@ -75,6 +76,17 @@ def reader() -> Reader | None:
             f"the snapshot of step {saved['step']} was saved by snapshot.save(): load it "
             "with snapshot.restore(state)"
         )
+    world = torch.distributed.get_world_size()
+    if saved["world_size"] != world:  # a shrink: its shards are laid out for another world
+        if torch.distributed.get_rank() == 0:
+            print(
+                f"[snapshot] nothing restored: the snapshot of step {saved['step']} was saved "
+                f"by {saved['world_size']} ranks and dcp.load needs it resharded for {world}, "
+                "which snapshots do not do yet: load your own checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+        return None
     return Reader(saved["step"], saved["data"], source, held["items"], held["metadata"])
 
 
