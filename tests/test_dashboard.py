@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator import distribute
+from orchestrator import distribute, testing
 from orchestrator.observe import dashboard
 from tests.helpers import wait_for
 
@@ -161,7 +161,21 @@ def test_a_running_job_s_page_in_a_browser(cluster, browser, tmp_path):
             time.sleep(10)  # the plots fill a little
         stop.touch()
         row = '#ranks tr[data-rank="3"]'
-        wait_for(lambda: "stopped" in _class(browser, row), 60, "rank 3 marked stopped")
+        try:
+            wait_for(lambda: "stopped" in _class(browser, row), 60, "rank 3 marked stopped")
+        except pytest.fail.Exception as missed:  # what the driver and the page saw (a flake)
+            seen = testing.view(job)
+            where = (
+                [(r.rank, r.state, r.silent_s, r.last_line[-60:]) for r in seen.ranks]
+                if seen
+                else None
+            )
+            stopped, stall = (seen.stopped, seen.stall) if seen else (None, None)
+            findings = browser.find_element(By.ID, "findings").text
+            raise AssertionError(
+                f"{missed}; {job.status()}; ranks: {where}; stopped: {stopped}; stall: {stall}; "
+                f"page: {findings}"
+            ) from None
         assert "stopped" in _text(browser, f"{row} td:nth-child(2)")
         findings = browser.find_element(By.ID, "findings")
         wait_for(lambda: "rank 3 stopped: no progress" in findings.text, 10, "the finding")
