@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 from orchestrator import distribute
 from tests.helpers import wait_for
@@ -60,10 +61,11 @@ def test_a_live_job_s_steps_figures_and_reports_over_time(cluster):
         assert process.latest is not None and process.latest.step == 16
 
 
-def pauses(steps: int, pause: float, eval_s: float, stop_s: float) -> int:
+def pauses(steps: int, pause: float, eval_s: float, folder: str) -> int:
     """`steps` quick steps, then rank 0 evaluates (on CPU) for `eval_s` while rank 1 waits
-    in all_reduce; `steps` more, then rank 1 stops (sleeps) for `stop_s` while rank 0
-    waits; then one more step each."""
+    in all_reduce; `steps` more, then rank 1 stops (sleeps, having made `stopping` in
+    `folder`) while rank 0 waits, until `go` is there (at most 120 s); then one more step
+    each."""
     import torch
     import torch.distributed as dist
 
@@ -87,20 +89,28 @@ def pauses(steps: int, pause: float, eval_s: float, stop_s: float) -> int:
     step()
     for _ in range(steps):
         step()
-    if rank == 1:
-        time.sleep(stop_s)  # stopped: no progress, no CPU, no I/O
+    if rank == 1:  # stopped: no progress, no CPU, no I/O, for as long as it takes
+        (Path(folder) / "stopping").touch()
+        until = time.monotonic() + 120
+        while not (Path(folder) / "go").exists() and time.monotonic() < until:
+            time.sleep(0.2)
     step()
     dist.destroy_process_group()
     return rank
 
 
-def test_a_stopped_rank_is_named_in_seconds_and_a_busy_pause_is_not(cluster):
+def test_a_stopped_rank_is_named_in_seconds_and_a_busy_pause_is_not(cluster, tmp_path):
     seen: list[tuple[float, str]] = []
+    stopping = None  # when rank 1 began its stop, as seen here
     with distribute(pauses, num_replicas=2, stall_after=60, log_dir=False, name="pauses") as fn:
-        job = fn.submit(12, 0.05, 11.0, 16.0)
+        job = fn.submit(12, 0.05, 11.0, str(tmp_path))
         while not job.done():
             stall = job.status().stall
             seen.append((time.monotonic(), stall or ""))
+            if stopping is None and (tmp_path / "stopping").exists():
+                stopping = time.monotonic()
+            if "stopped" in (stall or ""):  # named: rank 1 may go on
+                (tmp_path / "go").touch()
             time.sleep(0.5)
         assert job.result(timeout=5) == [0, 1]  # never ends the call
     named = [(at, text) for at, text in seen if "stopped" in text]
@@ -109,6 +119,6 @@ def test_a_stopped_rank_is_named_in_seconds_and_a_busy_pause_is_not(cluster):
         text.startswith("[pauses] rank 1 stopped: no progress, CPU or I/O") for _, text in named
     )
     assert "waits in all_reduce" in named[0][1] or "wait" in named[0][1], named[0][1]
-    # Named only in its sleep (the last 16 s before the end), never in rank 0's evaluation.
-    assert seen[-1][0] - named[0][0] < 16.0, seen[-1][0] - named[0][0]
+    # Named only in its stop, never in rank 0's evaluation.
+    assert stopping is not None and named[0][0] >= stopping
     assert not any("rank 0 stopped" in text for _, text in seen)

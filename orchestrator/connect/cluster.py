@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from orchestrator import _ray_compat
-from orchestrator.connect import discovery, probe, ray_files, refusals, tokens
+from orchestrator.connect import discovery, head, probe, ray_files, refusals, tokens
 from orchestrator.errors import ClusterUnreachableError, ConfigError
 from orchestrator.show import messages, notices
 
@@ -290,18 +290,29 @@ def _start_local(min_cpus: float) -> None:
     ray_level = logging.INFO if notices.verbose() else logging.ERROR
     quiet.setLevel(ray_level)
     try:
-        with _ray_compat.lean_head():
-            ray.init(
-                address="local",
-                _temp_dir=ray_files.head_temp_dir(lasting=False),
-                num_cpus=cpus,
-                include_dashboard=False,
-                logging_level=ray_level,
-                log_to_driver=False,  # ranks' output comes through our own capture
-                # Ray starts workers 15 nice levels below the raylet: a rank, and the data
-                # loader workers it forks, would yield to everything else on the machine.
-                _system_config=_ray_compat.same_niceness(),
-            )
+        for attempt in range(1, head.START_ATTEMPTS + 1):
+            try:
+                with _ray_compat.lean_head():
+                    ray.init(
+                        address="local",
+                        _temp_dir=ray_files.head_temp_dir(lasting=False),
+                        num_cpus=cpus,
+                        include_dashboard=False,
+                        logging_level=ray_level,
+                        log_to_driver=False,  # ranks' output comes through our own capture
+                        # Ray starts workers 15 nice levels below the raylet: a rank, and the
+                        # data loader workers it forks, would yield to everything else here.
+                        _system_config=_ray_compat.same_niceness(),
+                    )
+                break
+            except Exception as exc:  # Ray's own: its raylet has 30 s to register
+                if not head.overloaded(str(exc)) or attempt == head.START_ATTEMPTS:
+                    raise
+                ray.shutdown()  # what this start began
+                messages.say(
+                    "Ray's local start timed out registering its node on a busy machine "
+                    f"(attempt {attempt} of {head.START_ATTEMPTS}); starting it again"
+                )
     finally:
         quiet.setLevel(level)
     gpus = int(ray.cluster_resources().get("GPU", 0))

@@ -23,7 +23,7 @@ a busy machine brings it up; this ends a start that hangs."""
 STOP_WAIT_S = 60.0
 """How long `ray start --block` has to stop what it started, once told (SIGTERM); then its
 whole process group is killed."""
-_START_ATTEMPTS = 3
+START_ATTEMPTS = 3
 """Tries of `ray start`: on a loaded machine its raylet may miss Ray's fixed 30 s to register."""
 
 
@@ -31,7 +31,7 @@ def start(
     command: list[str], env: dict[str, str], work: Path, log: Path, address_file: Path
 ) -> tuple[subprocess.Popen, str]:
     """Run `ray start --block` until its head is up: again where Ray gave up on a busy machine."""
-    for attempt in range(1, _START_ATTEMPTS + 1):
+    for attempt in range(1, START_ATTEMPTS + 1):
         with os.fdopen(private.create(log), "w") as out:
             process = subprocess.Popen(
                 command,
@@ -47,21 +47,21 @@ def start(
         except BaseException as error:
             end(process)
             address_file.unlink(missing_ok=True)
-            if not (isinstance(error, LocalRuntimeError) and _overloaded(log.read_text())):
+            if not (isinstance(error, LocalRuntimeError) and overloaded(log.read_text())):
                 raise
-            if attempt == _START_ATTEMPTS:
+            if attempt == START_ATTEMPTS:
                 raise LocalRuntimeError(
                     f"{error}\nRay gave up {attempt} times on this machine's load; "
                     "start the runtime again once it is less busy"
                 ) from None
             messages.say(
                 f"`ray start` timed out registering its node on a busy machine "
-                f"(attempt {attempt} of {_START_ATTEMPTS}); starting it again"
+                f"(attempt {attempt} of {START_ATTEMPTS}); starting it again"
             )
     raise AssertionError("unreachable")
 
 
-def _overloaded(output: str) -> bool:
+def overloaded(output: str) -> bool:
     """Whether `ray start` failed because its raylet did not register in Ray's fixed 30 s."""
     return "timed out during startup" in output
 
