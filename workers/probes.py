@@ -26,12 +26,13 @@ def rss_mb() -> float:
         return 0.0
 
 
-def activity(apart: int | None = None) -> tuple[float, int]:
-    """CPU seconds this process and its children (a data loader's workers) have used or
-    waited for (runnable on a busy machine's run queue: a rank that wants CPU and gets
-    little is busy, not stopped), apart from thread `apart`'s waits (the caller's own,
-    by native id), and the bytes it has read and written (files, pipes and sockets
-    alike), so far."""
+def activity(waits_of: int | None = None) -> tuple[float, int]:
+    """CPU seconds this process and its children (a data loader's workers) have used, and
+    those thread `waits_of` (the function's, by native id) and the children waited for
+    (runnable on a busy machine's run queue: a rank that wants CPU and gets little is
+    busy, not stopped; a Ray worker's other threads wake often, and each wake-up waits
+    there too), and the bytes it has read and written (files, pipes and sockets alike),
+    so far."""
     used = time.process_time()
     try:
         with open("/proc/self/io", "rb") as io:
@@ -45,7 +46,7 @@ def activity(apart: int | None = None) -> tuple[float, int]:
         with contextlib.suppress(OSError, ValueError, IndexError):
             with open(f"/proc/self/task/{task}/children", "rb") as listed:
                 children += listed.read().decode().split()
-            if task != str(apart):
+            if task == str(waits_of):
                 used += _waited(f"/proc/self/task/{task}/schedstat")
     for child in children:
         try:

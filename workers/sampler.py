@@ -53,6 +53,8 @@ class Sampler:
         figures go to Ray's metrics too, labelled with `node` (see raymetrics)."""
         self._metrics = RayMetrics(node)
         self._ident: int | None = None
+        self._native: int | None = None
+        """The function thread's native id: its run-queue waits count as use (see probes)."""
         self._thread: threading.Thread | None = None
         self._record: Writer | None = None
         self._writing = threading.Lock()
@@ -108,7 +110,7 @@ class Sampler:
             self._last_process, self._process_cpu = (now, time.process_time()), 0.0
             self._activity = None
             self._looks, self._places, self._functions, self._phases = 0, {}, {}, {}
-            self._ident = threading.get_ident()
+            self._ident, self._native = threading.get_ident(), threading.get_native_id()
             PROGRESS.begin()
             self._write(now, running=True)
 
@@ -209,7 +211,7 @@ class Sampler:
         where, over it, it used under IDLE_CORES and IDLE_BYTES_S on average; else 0."""
         if now - self._since < QUIET_FROM_S:  # moving: nothing to read (a look's third)
             return 0.0
-        used, moved = probes.activity(apart=threading.get_native_id())
+        used, moved = probes.activity(waits_of=self._native)
         used -= self._sampler_s  # its own looks (the flight recorder's reading) are not the rank's
         if self._activity is None:  # read first once the stack stays: from then on
             self._activity, self._since_activity = (used, moved), now
